@@ -1,0 +1,5 @@
+import sys
+
+from kvflow.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,77 @@
+"""Chunk keys: prefix-chained hashes, so a key names a chunk *and everything before it*.
+
+    h_0 = xxh3_128(fingerprint | chunk_tokens | tokens[0:c])
+    h_i = xxh3_128(h_{i-1} | tokens[i*c:(i+1)*c])
+    key(i, layers, kind) = xxh3_128(h_i | kind | layer range)
+
+Only full chunks get keys. A context's partial tail (fewer than ``chunk_tokens`` tokens) is never stored:
+it is recomputed together with the query, so a stored record always holds exactly ``chunk_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+KINDS = {"kv": 0, "act": 1}  # KV of a layer range / boundary activations (hidden state entering a layer)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """Identity of one stored record. ``digest`` is what the pool indexes; the rest is checked on read."""
+    digest: bytes          # 16 bytes
+    fingerprint: str       # model fingerprint (32 hex chars)
+    tokens: tuple[int, int]
+    layers: tuple[int, int]
+    kind: str = "kv"
+
+    def __post_init__(self):
+        assert len(self.digest) == 16 and self.kind in KINDS and self.tokens[0] < self.tokens[1]
+        assert 0 <= self.layers[0] <= self.layers[1]
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+
+def _token_bytes(token_ids) -> bytes:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.cpu().numpy()
+    return np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64)).tobytes()
+
+
+def prefix_hashes(token_ids, fingerprint: str, chunk_tokens: int) -> list[bytes]:
+    """One 16-byte hash per *full* chunk of ``token_ids``, each covering the whole prefix up to its end."""
+    assert chunk_tokens > 0
+    raw = _token_bytes(token_ids)
+    n_full = len(raw) // 8 // chunk_tokens
+    step = chunk_tokens * 8
+    prev = xxhash.xxh3_128(f"kvflow|{fingerprint}|{chunk_tokens}".encode()).digest()
+    out = []
+    for i in range(n_full):
+        prev = xxhash.xxh3_128(prev + raw[i * step:(i + 1) * step]).digest()
+        out.append(prev)
+    return out
+
+
+def record_key(prefix_hash: bytes, fingerprint: str, index: int, chunk_tokens: int,
+               layers: tuple[int, int], kind: str = "kv") -> ChunkKey:
+    digest = xxhash.xxh3_128(prefix_hash + bytes([KINDS[kind]]) + layers[0].to_bytes(2, "little")
+                             + layers[1].to_bytes(2, "little")).digest()
+    return ChunkKey(digest, fingerprint, (index * chunk_tokens, (index + 1) * chunk_tokens), layers, kind)
+
+
+def chunk_keys(token_ids, fingerprint: str, chunk_tokens: int, layer_groups: list[tuple[int, int]],
+               kind: str = "kv") -> list[list[ChunkKey]]:
+    """keys[i][g]: record of full chunk i, layer group g."""
+    return [[record_key(h, fingerprint, i, chunk_tokens, g, kind) for g in layer_groups]
+            for i, h in enumerate(prefix_hashes(token_ids, fingerprint, chunk_tokens))]
+
+
+def layer_groups(num_layers: int, layers_per_record: int) -> list[tuple[int, int]]:
+    """Split [0, num_layers) into consecutive groups of ``layers_per_record`` (the last may be shorter)."""
+    assert layers_per_record > 0
+    return [(l, min(l + layers_per_record, num_layers)) for l in range(0, num_layers, layers_per_record)]

@@ -1,0 +1,61 @@
+"""`kvflow` entry point. Sub-command groups live in their own modules and are registered here.
+
+Every user error (KVFlowError, a bad option) ends as one line on stderr and exit code 2 — no traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+try:  # typer >= 0.20 vendors click; older typer uses click itself
+    from typer._click import exceptions as cx
+except ImportError:  # pragma: no cover
+    from click import exceptions as cx
+
+from kvflow.errors import KVFlowError
+
+app = typer.Typer(help="kvflow: exact, fast KV-cache restoration for long contexts.", no_args_is_help=True,
+                  add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+bench_app = typer.Typer(help="Benchmarks: each prints a table and writes JSON + PNG.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def _register() -> None:
+    # Imported here so `kvflow --help` stays fast and each group owns its module.
+    from kvflow.cli import model_cmds  # noqa: F401  (models, profile, demo)
+    for optional in ("pool_cmds", "restore_cmds", "pipeline_cmds"):
+        try:
+            __import__(f"kvflow.cli.{optional}")
+        except ModuleNotFoundError as err:
+            if err.name != f"kvflow.cli.{optional}":
+                raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    _register()
+    try:
+        app(args=argv, standalone_mode=False)
+    except KVFlowError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        return 130
+    except typer.Exit as ex:
+        return ex.exit_code
+    except cx.NoArgsIsHelpError as err:  # bare group: help was shown
+        print(err.format_message(), file=sys.stderr)
+        return 2
+    except cx.ClickException as err:
+        print(f"error: {err.format_message()}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""`kvflow models` and `kvflow profile`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from kvflow.cli.main import app
+
+console = Console()
+
+
+def progress_bar(description: str) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+
+
+def _meta_counts(preset, layers=None) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvflow.model.presets import build_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_config(preset, layers))
+    return sum(p.numel() for p in model.parameters())
+
+
+@app.command("models")
+def models(as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
+    """List model presets: parameters, layers, KV bytes per token per storage dtype."""
+    from transformers.utils import logging as hf_logging
+
+    from kvflow.model.presets import PRESETS, build_config
+
+    hf_logging.set_verbosity_error()
+    rows = []
+    for preset in PRESETS.values():
+        cfg = build_config(preset)
+        kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_elem = 2 * cfg.num_hidden_layers * kv_heads * head_dim
+        rows.append({"name": preset.name, "family": preset.family, "parameters": _meta_counts(preset),
+                     "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+                     "kv_bytes_per_token": {"float32": per_elem * 4, "bfloat16": per_elem * 2, "float16": per_elem * 2},
+                     "description": preset.description})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title="kvflow model presets (random weights from a seed; NAME@layers=N keeps the shape)")
+    for col in ("name", "family", "params", "layers", "hidden", "KV B/token fp32", "KV B/token bf16/fp16"):
+        table.add_column(col, justify="right" if col not in ("name", "family") else "left")
+    for r in rows:
+        kv = r["kv_bytes_per_token"]
+        table.add_row(r["name"], r["family"], f"{r['parameters'] / 1e6:,.0f}M", str(r["layers"]), str(r["hidden"]),
+                      f"{kv['float32']:,}", f"{kv['bfloat16']:,}")
+    console.print(table)
+    console.print("Any local transformers checkpoint directory (Llama, Qwen2, Mistral families) loads too.")
+
+
+def _show_fit(model, path: Path) -> None:
+    fit = model.fit
+    table = Table(title=f"cost model for {model.model} ({model.threads} torch threads) — {path}")
+    table.add_column("term")
+    table.add_column("value", justify="right")
+    table.add_row("a  (s / token / layer)", f"{model.a:.3e}")
+    table.add_row("b  (s / token / key / layer)", f"{model.b:.3e}")
+    table.add_row("d  (s / step / layer)", f"{model.d:.3e}")
+    table.add_row("e  (s / step)", f"{model.e:.3e}")
+    table.add_row("LM head (s)", f"{model.head:.3e}")
+    table.add_row("recompute KV rate @ short context", f"{model.short_context_rate() / 2**20:,.1f} MiB/s")
+    table.add_row("train median rel. error", f"{fit.get('train_median_rel_error', float('nan')):.1%}")
+    table.add_row("held-out median rel. error", f"{fit.get('held_out_median_rel_error', float('nan')):.1%}")
+    console.print(table)
+    console.print("t(c tokens at position p, n layers) = n * (a*c + b*c*(p + (c+1)/2) + d) + e")
+    held = Table(title="held-out points")
+    for col in ("chunk", "position", "layers", "measured ms", "predicted ms", "error"):
+        held.add_column(col, justify="right")
+    for c, p, n, t, pred in fit.get("held_out_points", []):
+        held.add_row(str(c), str(p), str(n), f"{t * 1e3:.2f}", f"{pred * 1e3:.2f}", f"{(pred - t) / t:+.1%}")
+    console.print(held)
+
+
+@app.command("profile")
+def profile_cmd(
+    model: str = typer.Argument(..., help="preset name (see `kvflow models`) or checkpoint directory"),
+    show: bool = typer.Option(False, "--show", help="print the saved fit and its held-out error (profiles first if none)"),
+    max_position: int = typer.Option(8192, "--max-position", min=256, help="largest context position profiled"),
+    repeats: int = typer.Option(3, min=1, help="timings per point (median)"),
+    out: Optional[Path] = typer.Option(None, help="where to save the JSON (default ~/.cache/kvflow/profiles/)"),
+    seed: int = typer.Option(0, help="weight seed for presets"),
+    force: bool = typer.Option(False, "--force", help="re-profile even if a saved profile exists"),
+) -> None:
+    """Measure restoration compute cost vs position, chunk size and layers; fit and save a cost model."""
+    import torch
+
+    from kvflow.cost import CostModel, default_profile_path, profile
+    from kvflow.model import load_model
+
+    runner = load_model(model, seed=seed)
+    path = out or default_profile_path(model, runner.fingerprint, torch.get_num_threads())
+    if path.exists() and not force and (show or out is None):
+        cost = CostModel.load(path)
+        if cost.fit.get("max_position") == max_position or show:
+            _show_fit(cost, path)
+            return
+    with progress_bar(f"profiling {model}") as bar:
+        task = bar.add_task(f"profiling {model}", total=1)
+        cost = profile(runner, max_position=max_position, repeats=repeats,
+                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+    cost.save(path)
+    console.print(f"saved cost model to {path}")
+    _show_fit(cost, path)

@@ -1,0 +1,6 @@
+"""Cost model: profiled compute time per (chunk, position, layers) and I/O time per byte."""
+
+from kvflow.cost.model import CostModel, default_profile_path, profiles_dir
+from kvflow.cost.profiler import profile
+
+__all__ = ["CostModel", "default_profile_path", "profiles_dir", "profile"]

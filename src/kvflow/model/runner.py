@@ -1,0 +1,271 @@
+"""ModelRunner: exact, range-wise execution of a transformers causal LM.
+
+Everything restoration needs is one primitive, :meth:`ModelRunner.run_layers`: run decoder layers
+``[l0, l1)`` for tokens ``[start, end)``, given the input hidden states of those tokens at layer ``l0``
+and a :class:`KVCache` that already holds layers ``[l0, l1)`` for tokens ``[0, start)``. Full prefill,
+token-range prefill, layer-range recompute from boundary activations and the query prefill are all
+calls of it. The decoder layers are the model's own modules, so the numbers are the model's own.
+
+Canonical KV layout (the only layout that leaves this module)::
+
+    KVCache.keys[l], KVCache.values[l] : [1, kv_heads, capacity, head_dim]   (transformers layout)
+    KV block (token range x layer range) : [n_layers, 2, kv_heads, n_tokens, head_dim]
+                                             layer ----^  ^-- 0 = K, 1 = V
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+import xxhash
+
+from kvflow.errors import ModelError
+from kvflow.model.presets import PRESETS, build_config, parse_name
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelError(f"unknown dtype {name!r}: use one of float32, bfloat16, float16") from None
+
+
+# Config fields that change the computation (others, e.g. _name_or_path or transformers_version, do not).
+_ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+              "rope_parameters", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
+              "layer_types", "tie_word_embeddings")
+
+
+class KVCache:
+    """Preallocated K/V of one sequence for every layer; slices are written in place by compute and I/O."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype = torch.float32):
+        shape = (1, kv_heads, capacity, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.capacity = capacity
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    def write_block(self, block: torch.Tensor, tokens: tuple[int, int], layers: tuple[int, int]) -> None:
+        """Copy a canonical block [n_layers, 2, H, T, D] into tokens x layers."""
+        (a, b), (l0, l1) = tokens, layers
+        assert block.shape[0] == l1 - l0 and block.shape[3] == b - a, (block.shape, tokens, layers)
+        for i, layer in enumerate(range(l0, l1)):
+            self.keys[layer][0, :, a:b].copy_(block[i, 0])
+            self.values[layer][0, :, a:b].copy_(block[i, 1])
+
+    def read_block(self, tokens: tuple[int, int], layers: tuple[int, int]) -> torch.Tensor:
+        """A contiguous canonical block [n_layers, 2, H, T, D] (a copy)."""
+        (a, b), (l0, l1) = tokens, layers
+        return torch.stack([torch.stack([self.keys[l][0, :, a:b], self.values[l][0, :, a:b]])
+                            for l in range(l0, l1)])
+
+    def layer_kv(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) views [1, H, length, D], the transformers layout."""
+        return [(k[:, :, :length], v[:, :, :length]) for k, v in zip(self.keys, self.values)]
+
+
+class _RangeSlot:
+    """Duck-typed transformers ``Cache`` for one ``run_layers`` call: attention's ``cache.update`` writes
+    the new tokens' K/V into the KVCache and gets back K/V of tokens [0, end) of that layer."""
+
+    def __init__(self, cache: KVCache, start: int, end: int):
+        self.cache, self.start, self.end = cache, start, end
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        k[:, :, self.start:self.end].copy_(key_states)
+        v[:, :, self.start:self.end].copy_(value_states)
+        return k[:, :, :self.end], v[:, :, :self.end]
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    cache: KVCache
+    length: int
+    logits: torch.Tensor  # next-token logits after the last token, [vocab]
+
+
+class ModelRunner:
+    """A transformers causal LM driven range by range. Build with :func:`load_model`."""
+
+    def __init__(self, hf_model, name: str):
+        self.hf_model = hf_model.eval()
+        self.name = name
+        self.config = hf_model.config
+        base = getattr(hf_model, "model", None)
+        needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if base is None or not all(hasattr(base, a) for a in needed) or not hasattr(hf_model, "lm_head"):
+            raise ModelError(f"{name}: architecture {type(hf_model).__name__} is not a decoder-only LM kvflow can "
+                             "drive (needs model.embed_tokens/layers/norm/rotary_emb and lm_head)")
+        self._base = base
+        self.layers = list(base.layers)
+        params = inspect.signature(self.layers[0].forward).parameters
+        self._cache_kw = next((k for k in ("cache", "past_key_values", "past_key_value") if k in params), None)
+        if self._cache_kw is None:
+            raise ModelError(f"{name}: decoder layer takes no cache argument; unsupported transformers version")
+        self.num_layers = len(self.layers)
+        self.kv_heads = self.config.num_key_value_heads or self.config.num_attention_heads
+        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        self.hidden_size = self.config.hidden_size
+        self.dtype = next(hf_model.parameters()).dtype
+        self._windows = [self._sliding_window(i) for i in range(self.num_layers)]
+
+    def _sliding_window(self, layer: int) -> int | None:
+        window = getattr(self.config, "sliding_window", None)
+        if not window:
+            return None
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types is not None:
+            return window if layer_types[layer] == "sliding_attention" else None
+        if self.config.model_type == "qwen2" and not getattr(self.config, "use_sliding_window", False):
+            return None
+        return window
+
+    # ----------------------------------------------------------------------------------------- facts
+    def kv_bytes_per_token(self, dtype: str | torch.dtype = "float32") -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * parse_dtype(dtype).itemsize
+
+    def block_shape(self, n_tokens: int, n_layers: int) -> tuple[int, ...]:
+        return (n_layers, 2, self.kv_heads, n_tokens, self.head_dim)
+
+    @cached_property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.hf_model.parameters())
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Stable id of architecture + weights: xxh3-128 over the config and every parameter's bytes."""
+        h = xxhash.xxh3_128()
+        arch = {k: getattr(self.config, k, None) for k in _ARCH_KEYS}
+        h.update(json.dumps(arch, sort_keys=True, default=str).encode())
+        for name, p in sorted(self.hf_model.state_dict().items()):
+            h.update(name.encode())
+            h.update(str(p.dtype).encode())
+            h.update(p.detach().contiguous().view(torch.uint8).numpy().data)
+        return h.hexdigest()
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype)
+
+    # ------------------------------------------------------------------------------------ execution
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [1, T, hidden] input hidden states of layer 0."""
+        with torch.inference_mode():
+            return self._base.embed_tokens(token_ids.view(1, -1))
+
+    def _mask(self, start: int, end: int, window: int | None) -> torch.Tensor | None:
+        if (start == 0 or end - start == 1) and window is None:
+            return None  # plain causal (or a single query row): SDPA's fast path
+        q = torch.arange(start, end).view(-1, 1)
+        k = torch.arange(0, end).view(1, -1)
+        allowed = k <= q
+        if window is not None:
+            allowed &= (q - k) < window
+        return allowed.view(1, 1, end - start, end)
+
+    def run_layers(self, cache: KVCache, hidden: torch.Tensor, start: int, layers: tuple[int, int]) -> torch.Tensor:
+        """Run decoder layers [l0, l1) on ``hidden`` ([1, T, hidden], the input of layer l0 for tokens
+        [start, start+T)). Writes those tokens' K/V of each layer into ``cache`` and returns the output
+        hidden states of layer l1-1. ``cache`` must hold layers [l0, l1) for tokens [0, start)."""
+        l0, l1 = layers
+        end = start + hidden.shape[1]
+        assert 0 <= l0 <= l1 <= self.num_layers and end <= cache.capacity, (layers, start, end, cache.capacity)
+        with torch.inference_mode():
+            position_ids = torch.arange(start, end).view(1, -1)
+            position_embeddings = self._base.rotary_emb(hidden, position_ids)
+            slot = _RangeSlot(cache, start, end)
+            masks: dict[int | None, torch.Tensor | None] = {}
+            for layer in range(l0, l1):
+                window = self._windows[layer]
+                if window not in masks:
+                    masks[window] = self._mask(start, end, window)
+                hidden = self.layers[layer](hidden, attention_mask=masks[window], position_ids=position_ids,
+                                            position_embeddings=position_embeddings, use_cache=True,
+                                            **{self._cache_kw: slot})
+                if isinstance(hidden, tuple):  # transformers versions whose layers return (hidden, ...)
+                    hidden = hidden[0]
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on the last position of ``hidden`` [1, T, hidden] -> [vocab] (fp32)."""
+        with torch.inference_mode():
+            return self.hf_model.lm_head(self._base.norm(hidden[:, -1:])).view(-1).float()
+
+    def prefill_range(self, cache: KVCache, token_ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Prefill ``token_ids`` at positions [start, start+T) through every layer, given KV of [0, start).
+        Returns the final hidden states [1, T, hidden]."""
+        return self.run_layers(cache, self.embed(token_ids), start, (0, self.num_layers))
+
+    def prefill(self, token_ids: torch.Tensor, capacity: int | None = None, chunk: int | None = None) -> PrefillResult:
+        """Fresh prefill of ``token_ids`` (optionally ``chunk`` tokens at a time) into a new cache."""
+        n = token_ids.numel()
+        cache = self.new_cache(capacity or n)
+        step = chunk or n
+        for a in range(0, n, step):
+            hidden = self.prefill_range(cache, token_ids[a:a + step], a)
+        return PrefillResult(cache, n, self.logits(hidden))
+
+    def reference_prefill(self, token_ids: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """One plain transformers forward over all tokens: the ground truth every restoration is checked against.
+        Returns per-layer (k, v) [1, H, T, D] and next-token logits [vocab]."""
+        with torch.inference_mode():
+            out = self.hf_model(input_ids=token_ids.view(1, -1), use_cache=True, logits_to_keep=1)
+        cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+        if hasattr(cache, "layers"):
+            kv = [(layer.keys, layer.values) for layer in cache.layers]
+        else:
+            kv = list(zip(cache.key_cache, cache.value_cache))
+        return kv, out.logits[0, -1].float()
+
+
+def _resolve_threads() -> None:
+    threads = os.environ.get("KVFLOW_TORCH_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+def load_model(name_or_path: str, *, seed: int = 0, dtype: str = "float32") -> ModelRunner:
+    """A preset name (``tiny``, ``qwen2.5-0.5b``, ``llama-3.2-1b@layers=4`` ...) built with random weights from
+    ``seed``, or a local transformers checkpoint directory."""
+    torch_dtype = parse_dtype(dtype)
+    _resolve_threads()
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{name_or_path}: not a transformers checkpoint (no config.json)")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa",
+                                                         local_files_only=True)
+        except (OSError, ValueError, KeyError) as err:
+            raise ModelError(f"{name_or_path}: cannot load checkpoint: {str(err).splitlines()[0]}") from None
+        return ModelRunner(model, str(path))
+    if name_or_path.partition("@")[0] not in PRESETS and ("/" in name_or_path or path.suffix):
+        raise ModelError(f"{name_or_path}: no such checkpoint directory")
+    preset, layers = parse_name(name_or_path)
+    config = build_config(preset, layers)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    return ModelRunner(model, name_or_path)

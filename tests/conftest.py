@@ -1,0 +1,28 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("KVFLOW_HOME", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "kvflow-home"))
+torch.set_num_threads(int(os.environ.get("KVFLOW_TEST_THREADS", "2")))
+
+
+def max_abs_diff_kv(kv_a, kv_b, window_ok: bool = False) -> float:
+    """Largest |difference| over every layer's K and V (lists of (k, v) [1, H, T, D]).
+    transformers keeps only the last window of a sliding-window layer; with ``window_ok`` the overlapping suffix
+    is compared, otherwise shapes must be equal."""
+    assert len(kv_a) == len(kv_b)
+    worst = 0.0
+    for (ka, va), (kb, vb) in zip(kv_a, kv_b):
+        assert window_ok or (ka.shape == kb.shape and va.shape == vb.shape), (ka.shape, kb.shape)
+        t = min(ka.shape[2], kb.shape[2])
+        assert t >= 1 and ka.shape[:2] == kb.shape[:2] and ka.shape[3] == kb.shape[3], (ka.shape, kb.shape)
+        ka, va, kb, vb = (x[:, :, x.shape[2] - t:] for x in (ka, va, kb, vb))
+        worst = max(worst, (ka.float() - kb.float()).abs().max().item(), (va.float() - vb.float()).abs().max().item())
+    return worst
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from kvflow import load_model
+    return load_model("tiny")

@@ -1,0 +1,132 @@
+"""Every way of assembling a KV cache range by range equals one fresh full prefill (fp32, <= 1e-4, same argmax)."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from kvflow.model import ModelRunner
+from tests.conftest import max_abs_diff_kv
+
+TOL = 1e-4
+SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+_SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def _family(model_type: str, **extra) -> ModelRunner:
+    config = AutoConfig.for_model(model_type, **_SMALL, **extra)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return ModelRunner(AutoModelForCausalLM.from_config(config), f"test-{model_type}")
+
+
+@pytest.fixture(scope="module")
+def families(tiny):
+    return {
+        "llama": tiny,
+        "qwen2": _family("qwen2"),
+        "mistral-sliding": _family("mistral", sliding_window=48),
+    }
+
+
+def _ids(n: int, seed: int = 0, vocab: int = 512) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_exact(runner, cache, length, logits, ids):
+    ref_kv, ref_logits = runner.reference_prefill(ids)
+    assert max_abs_diff_kv(cache.layer_kv(length), ref_kv, window_ok=any(runner._windows)) <= TOL
+    assert (logits - ref_logits).abs().max().item() <= TOL
+    assert logits.argmax() == ref_logits.argmax()
+
+
+@SETTINGS
+@given(n=st.integers(2, 300), frac=st.floats(0.0, 1.0), family=st.sampled_from(["llama", "qwen2", "mistral-sliding"]))
+def test_token_split_equals_full_prefill(families, n, frac, family):
+    runner = families[family]
+    ids = _ids(n, n)
+    a = min(n - 1, int(frac * n))
+    cache = runner.new_cache(n)
+    if a:
+        runner.prefill_range(cache, ids[:a], 0)
+    hidden = runner.prefill_range(cache, ids[a:], a)
+    _assert_exact(runner, cache, n, runner.logits(hidden), ids)
+
+
+@SETTINGS
+@given(n=st.integers(2, 300), cut=st.integers(0, 4), pieces=st.integers(1, 4),
+       family=st.sampled_from(["llama", "qwen2", "mistral-sliding"]))
+def test_layer_split_equals_full_prefill(families, n, cut, pieces, family):
+    """Lower layers for all tokens at once, upper layers token piece by token piece from the boundary hidden state."""
+    runner = families[family]
+    ids = _ids(n, n + 1)
+    cache = runner.new_cache(n)
+    boundary = runner.run_layers(cache, runner.embed(ids), 0, (0, cut))
+    step = -(-n // pieces)
+    for a in range(0, n, step):
+        out = runner.run_layers(cache, boundary[:, a:a + step], a, (cut, runner.num_layers))
+    _assert_exact(runner, cache, n, runner.logits(out), ids)
+
+
+@SETTINGS
+@given(n=st.integers(8, 300), chunk=st.integers(4, 96), data=st.data())
+def test_staircase_mix_equals_full_prefill(families, n, chunk, data):
+    """Per chunk a different number of lower layers is computed first (non-increasing over chunks); the missing
+    upper layers are filled afterwards from the boundary hidden states. Any such staircase is exact."""
+    runner = families["llama"]
+    L = runner.num_layers
+    ids = _ids(n, chunk)
+    bounds = list(range(0, n, chunk)) + [n]
+    splits = sorted(data.draw(st.lists(st.integers(0, L), min_size=len(bounds) - 1, max_size=len(bounds) - 1)),
+                    reverse=True)
+    cache = runner.new_cache(n)
+    boundary = {}
+    for (a, b), s in zip(zip(bounds, bounds[1:]), splits):
+        boundary[a] = runner.run_layers(cache, runner.embed(ids[a:b]), a, (0, s))
+    for (a, b), s in zip(zip(bounds, bounds[1:]), splits):  # fill the rest, chunk order, upper layers
+        out = runner.run_layers(cache, boundary[a], a, (s, L))
+    _assert_exact(runner, cache, n, runner.logits(out), ids)
+
+
+@SETTINGS
+@given(n=st.integers(4, 300), stage=st.integers(1, 3), chunk=st.integers(8, 128))
+def test_layer_range_from_stored_boundary_activations(families, n, stage, chunk):
+    """A pipeline stage owning layers [stage, L) restores its KV alone from the stored hidden state entering
+    layer ``stage`` (chunk by chunk), without running the earlier layers."""
+    runner = families["llama"]
+    ids = _ids(n, stage)
+    full = runner.new_cache(n)
+    stored_boundary = runner.run_layers(full, runner.embed(ids), 0, (0, stage)).clone()
+    runner.run_layers(full, stored_boundary, 0, (stage, runner.num_layers))
+    ref_kv, _ = runner.reference_prefill(ids)
+
+    stage_cache = runner.new_cache(n)
+    for a in range(0, n, chunk):
+        runner.run_layers(stage_cache, stored_boundary[:, a:a + chunk], a, (stage, runner.num_layers))
+    restored = stage_cache.layer_kv(n)[stage:]
+    assert max_abs_diff_kv(restored, ref_kv[stage:]) <= TOL
+
+
+def test_query_after_restored_cache_gives_reference_logits(tiny):
+    ids = _ids(400, 7, 1024)
+    context, query = ids[:350], ids[350:]
+    restored = tiny.prefill(context, capacity=400, chunk=128).cache
+    block = restored.read_block((0, 350), (0, tiny.num_layers))
+    fresh = tiny.new_cache(400)
+    fresh.write_block(block, (0, 350), (0, tiny.num_layers))   # "loaded" from elsewhere
+    logits = tiny.logits(tiny.prefill_range(fresh, query, 350))
+    _, ref = tiny.reference_prefill(ids)
+    assert (logits - ref).abs().max().item() <= TOL and logits.argmax() == ref.argmax()
+
+
+def test_kv_block_round_trip_layout(tiny):
+    cache = tiny.prefill(_ids(100, 3, 1024)).cache
+    block = cache.read_block((10, 60), (1, 3))
+    assert block.shape == tiny.block_shape(50, 2) == (2, 2, tiny.kv_heads, 50, tiny.head_dim)
+    other = tiny.new_cache(100)
+    other.write_block(block, (10, 60), (1, 3))
+    assert torch.equal(other.keys[2][0, :, 10:60], cache.keys[2][0, :, 10:60])
+    assert torch.equal(other.values[1][0, :, 10:60], cache.values[1][0, :, 10:60])
