@@ -1,0 +1,120 @@
+"""Pool configuration: one ``PoolConfig`` with a list of ``DeviceConfig``, loaded from the ``pool:`` section of a
+YAML/TOML file with ``KVFLOW_POOL_*`` environment overrides for its scalar fields.
+
+    pool:
+      chunk_tokens: 256
+      durability: strict        # strict | relaxed
+      storage_dtype: float32
+      index_dir: ./kvpool       # manifest + write-ahead log + checkpoint
+      devices:
+        - {type: memory, capacity: 2G}
+        - {type: extent, path: /mnt/nvme0/kvflow.img, capacity: 64G}
+        - {type: files, path: /var/tmp/kvflow-files, capacity: 8G, bandwidth: 500M}
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvflow.config import check, load_section, read_file
+from kvflow.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PLACEMENTS = ("bandwidth", "equal", "overflow")
+
+
+@dataclass(slots=True)
+class DeviceConfig:
+    type: str                       # a name in kvflow.pool.devices.DEVICE_TYPES: memory | extent | files
+    path: str | None = None         # memory: optional shared file (e.g. /dev/shm/kv0); extent: file or block device
+    capacity: int | None = None     # bytes ("64G"); an extent on a block device defaults to the device size
+    bandwidth: int | None = None    # bytes/s read bandwidth to assume instead of probing
+    throttle: int | None = None     # cap this device at bytes/s (token bucket) to emulate a link or a slower SSD
+    workers: int = 4                # I/O threads of this device (queue depth)
+    direct: bool = True             # extent: O_DIRECT (page cache bypassed); false only where O_DIRECT is unsupported
+    zero_fill: bool = True          # extent: write zeros over a new file once so first writes are not slow
+    drop_cache: bool = True         # files: posix_fadvise(DONTNEED) after each write/read (cold-cache baseline)
+
+    def check_at(self, where: str) -> None:
+        """Validate against ``where`` (e.g. ``pool.devices[2]``) so errors name the entry."""
+        from kvflow.pool.devices import DEVICE_TYPES
+        check(self.type in DEVICE_TYPES, f"{where}.type: unknown device type {self.type!r} "
+                                         f"(known: {', '.join(sorted(DEVICE_TYPES))})")
+        check(self.type == "memory" or bool(self.path), f"{where}.path: required for a {self.type} device")
+        check(self.capacity is None or self.capacity > 0, f"{where}.capacity: must be positive")
+        check(self.type == "extent" or self.capacity is not None, f"{where}.capacity: required for a {self.type} device")
+        check(self.bandwidth is None or self.bandwidth > 0, f"{where}.bandwidth: must be positive bytes/s")
+        check(self.throttle is None or self.throttle > 0, f"{where}.throttle: must be positive bytes/s")
+        check(1 <= self.workers <= 64, f"{where}.workers: must be 1..64")
+
+    @property
+    def persistent(self) -> bool:
+        return self.path is not None
+
+    @property
+    def name(self) -> str:
+        """Stable identity recorded in the manifest: type + absolute path."""
+        return f"{self.type}:{os.path.abspath(self.path)}" if self.path else f"{self.type}:anonymous"
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    devices: list[DeviceConfig] = field(default_factory=list)
+    chunk_tokens: int = 256
+    durability: str = "strict"      # strict: a put returns once data and index are durable; relaxed: periodic sync
+    storage_dtype: str = "float32"
+    index_dir: str | None = None     # required when any device is persistent
+    placement: str = "bandwidth"     # bandwidth (p_i ∝ b_i) | equal (round robin) | overflow (fill one device at a time)
+    checkpoint_interval_s: float = 5.0   # relaxed: sync devices + log this often; both: compact the log when large
+    wal_compact_bytes: int = 64 << 20    # rewrite the checkpoint once the write-ahead log exceeds this
+    high_watermark: float = 0.95     # a device above this fraction of capacity evicts LRU records ...
+    low_watermark: float = 0.85      # ... down to this fraction
+    probe_bytes: int = 64 << 20      # bytes moved per device by the bandwidth probe at creation / `kvflow pool probe`
+
+    def validate(self) -> None:
+        check(len(self.devices) > 0, "pool.devices: at least one device is required")
+        for i, dev in enumerate(self.devices):
+            dev.check_at(f"pool.devices[{i}]")
+        names = [d.name for d in self.devices if d.persistent]
+        check(len(names) == len(set(names)), "pool.devices: two devices use the same path")
+        check(self.chunk_tokens > 0, "pool.chunk_tokens: must be positive")
+        check(self.durability in ("strict", "relaxed"), f"pool.durability: must be strict or relaxed, "
+                                                          f"got {self.durability!r}")
+        check(self.storage_dtype in DTYPES, f"pool.storage_dtype: must be one of {', '.join(DTYPES)}, "
+                                            f"got {self.storage_dtype!r}")
+        check(self.placement in PLACEMENTS, f"pool.placement: must be one of {', '.join(PLACEMENTS)}, "
+                                            f"got {self.placement!r}")
+        check(0 < self.low_watermark < self.high_watermark <= 1,
+              "pool.low_watermark/high_watermark: need 0 < low < high <= 1")
+        check(self.checkpoint_interval_s > 0, "pool.checkpoint_interval_s: must be positive")
+        check(self.probe_bytes >= 1 << 20, "pool.probe_bytes: must be at least 1M")
+        check(self.index_dir is not None or not any(d.persistent for d in self.devices),
+              "pool.index_dir: required when a device has a path (its index must survive restarts)")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.storage_dtype]
+
+    @classmethod
+    def load(cls, source: PoolConfig | dict | str | os.PathLike) -> PoolConfig:
+        """A PoolConfig from itself, a mapping (with or without a ``pool`` key) or a YAML/TOML file; relative paths
+        in a file resolve against the file's folder. Env ``KVFLOW_POOL_*`` overrides scalars."""
+        if isinstance(source, PoolConfig):
+            source.validate()
+            return source
+        if isinstance(source, dict):
+            return load_section(cls, "pool", source)
+        if not isinstance(source, (str, os.PathLike)):
+            raise ConfigError(f"pool config must be a path, a mapping or a PoolConfig, got {type(source).__name__}")
+        cfg = load_section(cls, "pool", read_file(source))
+        base = Path(source).resolve().parent
+        if cfg.index_dir is not None:
+            cfg.index_dir = str(base / cfg.index_dir)
+        for dev in cfg.devices:
+            if dev.path is not None:
+                dev.path = str(base / dev.path)
+        return cfg

@@ -1,0 +1,21 @@
+"""Device registry. Adding a device type = one new module implementing ``Device`` + one line here."""
+
+from kvflow.pool.devices.base import ALIGN, Device, aligned_empty
+from kvflow.pool.devices.extent import ExtentDevice
+from kvflow.pool.devices.files import FilesDevice
+from kvflow.pool.devices.memory import MemoryDevice
+from kvflow.pool.devices.throttle import Throttled, TokenBucket
+
+DEVICE_TYPES: dict[str, type[Device]] = {
+    "memory": MemoryDevice,
+    "extent": ExtentDevice,
+    "files": FilesDevice,
+}
+
+
+def open_device(cfg, readonly: bool = False) -> Device:
+    return DEVICE_TYPES[cfg.type](cfg, readonly=readonly)
+
+
+__all__ = ["ALIGN", "DEVICE_TYPES", "Device", "ExtentDevice", "FilesDevice", "MemoryDevice", "Throttled",
+           "TokenBucket", "aligned_empty", "open_device"]

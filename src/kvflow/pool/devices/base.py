@@ -1,0 +1,105 @@
+"""The one small interface every storage device implements. A device is a flat byte range of ``capacity`` bytes;
+the pool's allocator picks offsets (multiples of ``align``) and the device moves whole records at those offsets.
+Calls are blocking and thread-safe; the pool runs them on one I/O worker pool per device.
+
+    buf = dev.staging(offset, n)   # a page-aligned buffer to encode a record into (memory: the device itself)
+    ...encode into buf...
+    dev.commit(offset, buf)        # make it the content of [offset, offset + n)
+    data = dev.read(offset, n)     # a fresh page-aligned uint8 tensor the caller owns
+    dev.sync()                     # durable up to here
+    dev.discard(offset)            # the extent was freed (the files baseline deletes the file)
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvflow.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvflow.pool.config import DeviceConfig
+
+ALIGN = 4096          # every offset and every transfer of a file-backed device is a multiple of this
+SUPERBLOCK = 4096     # file-backed devices keep a self-describing header in their first ALIGN bytes
+_SB = struct.Struct("<4sHxxQ")
+_SB_MAGIC = b"KVFD"
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """Uninitialised uint8 tensor of ``nbytes`` whose data starts on a page boundary (O_DIRECT- and pin-able)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + nbytes]
+
+
+def padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def pack_superblock(capacity: int) -> bytes:
+    return _SB.pack(_SB_MAGIC, 1, capacity).ljust(SUPERBLOCK, b"\0")
+
+
+def parse_superblock(data: bytes) -> int | None:
+    """Capacity recorded in a device header, or None when ``data`` is not one."""
+    if len(data) < _SB.size:
+        return None
+    magic, version, capacity = _SB.unpack_from(data)
+    return capacity if magic == _SB_MAGIC and version == 1 else None
+
+
+def not_a_device(path: str) -> ConfigError:
+    return ConfigError(f"{path} exists and is not a kvflow device; remove it (or zero its first 4 KiB) to use it")
+
+
+class Device(ABC):
+    kind: ClassVar[str]   # what the lookup table records as device type: "mem", "ssd" or "fs"
+    align: int = ALIGN
+
+    def __init__(self, cfg: DeviceConfig, readonly: bool = False):
+        self.cfg = cfg
+        self.name = cfg.name
+        self.readonly = readonly
+        self.persistent = cfg.persistent
+        self.capacity = cfg.capacity or 0
+        self.fresh = True             # created by this open: nothing stored on it survives from before
+        self.intact_bytes: int | None = None   # set when a file was found truncated: data beyond it is gone
+
+    @abstractmethod
+    def read(self, offset: int, length: int) -> torch.Tensor:
+        """The ``length`` bytes at ``offset`` as a new uint8 tensor. Raises OSError or RecordError."""
+
+    @abstractmethod
+    def commit(self, offset: int, buf: torch.Tensor) -> None:
+        """Store ``buf`` (from ``staging``) at ``offset``."""
+
+    def staging(self, offset: int, nbytes: int) -> torch.Tensor:
+        return aligned_empty(padded(nbytes))
+
+    def sync(self) -> None:
+        """Make every committed record durable."""
+
+    def discard(self, offset: int) -> None:
+        """The extent at ``offset`` was freed (called under the pool lock, before it can be handed out again)."""
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"name": self.name, "type": self.cfg.type, "kind": self.kind, "capacity": self.capacity}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, capacity={self.capacity})"
+
+
+def check_writable(dev: Device) -> None:
+    assert not dev.readonly, f"{dev.name} was opened read-only"
+
+
+def file_size(fd: int) -> int:
+    return os.lseek(fd, 0, os.SEEK_END)

@@ -1,0 +1,110 @@
+"""``files``: the baseline peers use — one file per record through the kernel filesystem (like LMCache's local
+disk backend). Kept for comparison with ``extent``; offsets from the pool's allocator only name the files
+(``<dir>/<xx>/<offset>.kvr``) and account capacity. With ``drop_cache`` every file is dropped from the page cache
+after it is written or read, so repeated benchmark reads measure the disk, not memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import torch
+
+from kvflow.errors import ConfigError, RecordError
+from kvflow.pool.devices.base import Device, aligned_empty
+
+_MARKER = ".kvflow-device"
+
+
+class FilesDevice(Device):
+    kind = "fs"
+
+    def __init__(self, cfg, readonly: bool = False):
+        super().__init__(cfg, readonly)
+        self.root = cfg.path
+        marker = os.path.join(self.root, _MARKER)
+        self.fresh = not os.path.exists(marker)
+        if readonly and self.fresh:
+            raise ConfigError(f"{self.root} is not an initialised kvflow files device (run kvflow pool init)")
+        if self.fresh and not readonly:
+            if os.path.isdir(self.root) and os.listdir(self.root):
+                raise ConfigError(f"{self.root} exists, is not empty and is not a kvflow device")
+            os.makedirs(self.root, exist_ok=True)
+            with open(marker, "w") as f:
+                json.dump({"capacity": self.capacity}, f)
+        self._dirty: set[str] = set()
+        self._lock = threading.Lock()
+        self.meta_s = 0.0   # time in open/close/fadvise (filesystem work), summed over threads
+        self.data_s = 0.0   # time in read/write calls
+
+    def _path(self, offset: int) -> str:
+        return os.path.join(self.root, f"{(offset >> 12) & 0xff:02x}", f"{offset:x}.kvr")
+
+    def read(self, offset: int, length: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        fd = os.open(self._path(offset), os.O_RDONLY)
+        t1 = time.perf_counter()
+        try:
+            buf = aligned_empty(length)
+            got = os.preadv(fd, [buf.numpy()], 0)
+            t2 = time.perf_counter()
+            if self.cfg.drop_cache:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        self._account(t1 - t0 + time.perf_counter() - t2, t2 - t1)
+        if got < length:
+            raise RecordError(f"{self.name}: record file {self._path(offset)} holds {got} of {length} bytes")
+        return buf
+
+    def commit(self, offset: int, buf: torch.Tensor) -> None:
+        path = self._path(offset)
+        t0 = time.perf_counter()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        t1 = time.perf_counter()
+        try:
+            view, done = buf.numpy(), 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            t2 = time.perf_counter()
+            if self.cfg.drop_cache:
+                os.fdatasync(fd)   # dirty pages cannot be dropped; write them first
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            with self._lock:
+                self._dirty.add(path)
+        finally:
+            os.close(fd)
+        self._account(t1 - t0 + time.perf_counter() - t2, t2 - t1)
+
+    def staging(self, offset: int, nbytes: int) -> torch.Tensor:
+        return aligned_empty(nbytes)
+
+    def discard(self, offset: int) -> None:
+        try:
+            os.unlink(self._path(offset))
+        except FileNotFoundError:
+            pass
+
+    def sync(self) -> None:
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        for path in list(dirty) + sorted({os.path.dirname(p) for p in dirty}):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)   # file data, then the directories that name the new files
+            finally:
+                os.close(fd)
+
+    def _account(self, meta: float, data: float) -> None:
+        with self._lock:
+            self.meta_s += meta
+            self.data_s += data
+
+    def describe(self) -> dict:
+        return super().describe() | {"path": self.root, "fs_meta_s": self.meta_s, "fs_data_s": self.data_s}

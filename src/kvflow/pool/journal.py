@@ -1,0 +1,261 @@
+"""Persistence of the lookup table: write-ahead log + checkpoint, in ``index_dir``::
+
+    manifest.json   pool identity and its persistent devices: stable id, name, probed bandwidths
+    checkpoint      header | PUT entry x count | xxh64 of all before   (written to a temp file, fsynced, renamed)
+    wal.<gen>       64-byte entries appended since the checkpoint; each carries its own checksum
+    lock            flock held by the one writable opener (readers never lock)
+
+A WAL entry: op (PUT/DEL), device id, key digest, offset, length, seq, payload checksum, xxh32 of the first 56
+bytes. Recovery = checkpoint + replay of every wal.<gen >= wal_from> up to the first entry that does not verify
+(a torn tail). Ordering rules the pool keeps: a record's data is written before its PUT is appended; a key's DEL
+is appended before its extent can be handed out again; so any prefix of the log describes records that do not
+share extents. The allocator is then rebuilt from the recovered table, so index and allocator always agree.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import struct
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from kvflow.errors import ConfigError, KVFlowError
+
+log = logging.getLogger("kvflow.pool")
+
+PUT, DEL = 1, 2
+_ENTRY = struct.Struct("<BxH4x16sQQQQ")        # op, device id, digest, offset, length, seq, checksum
+_CRC = struct.Struct("<I4x")
+ENTRY_SIZE = _ENTRY.size + _CRC.size
+assert ENTRY_SIZE == 64
+_CKPT = struct.Struct("<4sHxxQQQ")             # magic, version, wal_from, next_seq, count
+_CKPT_MAGIC = b"KVFC"
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    op: int
+    dev: int          # device id from the manifest
+    digest: bytes
+    offset: int
+    length: int
+    seq: int
+    checksum: int
+
+    def pack(self) -> bytes:
+        body = _ENTRY.pack(self.op, self.dev, self.digest, self.offset, self.length, self.seq, self.checksum)
+        return body + _CRC.pack(xxhash.xxh32_intdigest(body))
+
+
+def unpack_entries(data: bytes) -> tuple[list[Op], int]:
+    """Entries up to the first one that does not verify; returns them and the byte length of that valid prefix."""
+    ops, pos = [], 0
+    while pos + ENTRY_SIZE <= len(data):
+        body = data[pos:pos + _ENTRY.size]
+        (crc,) = _CRC.unpack_from(data, pos + _ENTRY.size)
+        if crc != xxhash.xxh32_intdigest(body):
+            break
+        op = Op(*_ENTRY.unpack(body))
+        if op.op not in (PUT, DEL):
+            break
+        ops.append(op)
+        pos += ENTRY_SIZE
+    return ops, pos
+
+
+def apply(rows: dict[bytes, Op], op: Op) -> None:
+    """Replay one entry onto the table: a PUT (re)places its key; a DEL removes the key's record of that seq."""
+    if op.op == PUT:
+        rows[op.digest] = op
+    elif (cur := rows.get(op.digest)) is not None and cur.seq == op.seq:
+        del rows[op.digest]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+@dataclass(slots=True)
+class Recovered:
+    rows: dict[bytes, Op]
+    next_seq: int
+    wal_bytes: int         # log bytes replayed on top of the checkpoint
+    torn: bool             # the log ended in an entry that did not verify
+    checkpoint_ok: bool
+
+
+class Journal:
+    def __init__(self, root: str | os.PathLike, readonly: bool = False):
+        self.root = Path(root)
+        self.readonly = readonly
+        self._lock = threading.Lock()
+        self._fd = -1
+        self._lockfd = -1
+        self.gen = 0
+        self.wal_bytes = 0
+        if readonly:
+            if not (self.root / "manifest.json").exists():
+                raise ConfigError(f"{self.root} holds no kvflow pool index (create the pool first: kvflow pool init)")
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"pool.index_dir {self.root}: {err.strerror}") from None
+        self._lockfd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lockfd)
+            raise KVFlowError(f"pool index {self.root} is open for writing in another process "
+                              f"(open it with readonly=True to read alongside)") from None
+
+    # -- manifest -------------------------------------------------------------------------------------------
+    def read_manifest(self) -> dict:
+        path = self.root / "manifest.json"
+        if not path.exists():
+            return {"format": 1, "pool_id": uuid.uuid4().hex, "devices": []}
+        try:
+            return json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise KVFlowError(f"{path} is corrupt; move the index folder away to start an empty pool") from None
+
+    def write_manifest(self, manifest: dict) -> None:
+        assert not self.readonly
+        _atomic_write(self.root / "manifest.json", json.dumps(manifest, indent=1).encode())
+
+    # -- recovery -------------------------------------------------------------------------------------------
+    def _wal_gens(self) -> list[int]:
+        return sorted(int(p.name[4:]) for p in self.root.glob("wal.*") if p.name[4:].isdigit())
+
+    def _wal_path(self, gen: int) -> Path:
+        return self.root / f"wal.{gen:08d}"
+
+    def _read_checkpoint(self) -> tuple[dict[bytes, Op], int, int] | None:
+        path = self.root / "checkpoint"
+        if not path.exists():
+            return {}, 0, 0
+        data = path.read_bytes()
+        if len(data) < _CKPT.size + 8 or xxhash.xxh64_intdigest(data[:-8]) != int.from_bytes(data[-8:], "little"):
+            return None
+        magic, version, wal_from, next_seq, count = _CKPT.unpack_from(data)
+        if magic != _CKPT_MAGIC or version != 1 or _CKPT.size + count * ENTRY_SIZE + 8 != len(data):
+            return None
+        ops, used = unpack_entries(data[_CKPT.size:-8])
+        if used != count * ENTRY_SIZE:
+            return None
+        return {op.digest: op for op in ops}, wal_from, next_seq
+
+    def recover(self) -> Recovered:
+        """The table as of the last valid log entry. Readers retry if a checkpoint lands while they read."""
+        for _ in range(20):
+            before = self._stamp()
+            rec = self._recover_once()
+            if rec is not None and self._stamp() == before:
+                return rec
+        raise KVFlowError(f"pool index {self.root} kept changing while being read; try again")
+
+    def _stamp(self):
+        try:
+            st = os.stat(self.root / "checkpoint")
+            return st.st_ino, st.st_mtime_ns, st.st_size
+        except FileNotFoundError:
+            return None
+
+    def _recover_once(self) -> Recovered | None:
+        ckpt = self._read_checkpoint()
+        gens = self._wal_gens()
+        checkpoint_ok = ckpt is not None
+        if ckpt is None:
+            log.error("pool index %s: checkpoint does not verify; recovering from the log alone", self.root)
+            ckpt = ({}, gens[0] if gens else 0, 0)
+        rows, wal_from, next_seq = ckpt
+        wal_bytes, torn = 0, False
+        self._truncate_at = None
+        for gen in (g for g in gens if g >= wal_from):
+            try:
+                data = self._wal_path(gen).read_bytes()
+            except FileNotFoundError:
+                return None            # a writer compacted the log under us: start over
+            ops, used = unpack_entries(data)
+            for op in ops:
+                apply(rows, op)
+                next_seq = max(next_seq, op.seq + 1)
+            wal_bytes += used
+            if used != len(data):
+                torn = True
+                self._truncate_at = (gen, used)
+                break
+        self.gen = max([wal_from, *gens]) + 1 if gens or wal_from else 0
+        return Recovered(rows, next_seq, wal_bytes, torn, checkpoint_ok)
+
+    # -- writing --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open a fresh log generation for appends (after recovery and a checkpoint)."""
+        assert not self.readonly and self._fd < 0
+        self._fd = os.open(self._wal_path(self.gen), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.wal_bytes = 0
+
+    def append(self, ops: list[Op]) -> None:
+        """One write() for the whole batch: with kill -9 the log holds all of it or a prefix (never reordered)."""
+        if not ops:
+            return
+        data = b"".join(op.pack() for op in ops)
+        with self._lock:
+            view, done = memoryview(data), 0
+            while done < len(data):
+                done += os.write(self._fd, view[done:])
+            self.wal_bytes += len(data)
+
+    def sync(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.fdatasync(self._fd)
+
+    def rotate(self) -> int:
+        """Seal the current log (fsync) and continue in a new generation; returns the new generation. Called under
+        the pool lock together with a snapshot of the table, which the following ``write_checkpoint`` records."""
+        with self._lock:
+            os.fdatasync(self._fd)
+            os.close(self._fd)
+            self.gen += 1
+            self._fd = -1
+            self.start()
+            return self.gen
+
+    def write_checkpoint(self, rows: list[Op], next_seq: int, wal_from: int) -> None:
+        """Persist a snapshot that covers every log generation before ``wal_from``, then delete those logs."""
+        body = _CKPT.pack(_CKPT_MAGIC, 1, wal_from, next_seq, len(rows)) + b"".join(op.pack() for op in rows)
+        _atomic_write(self.root / "checkpoint", body + xxhash.xxh64_intdigest(body).to_bytes(8, "little"))
+        for gen in self._wal_gens():
+            if gen < wal_from:
+                self._wal_path(gen).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+        if self._lockfd >= 0:
+            os.close(self._lockfd)
+            self._lockfd = -1
