@@ -44,9 +44,11 @@ class DeviceConfig:
         from kvflow.pool.devices import DEVICE_TYPES
         check(self.type in DEVICE_TYPES, f"{where}.type: unknown device type {self.type!r} "
                                          f"(known: {', '.join(sorted(DEVICE_TYPES))})")
-        check(self.type == "memory" or bool(self.path), f"{where}.path: required for a {self.type} device")
+        cls = DEVICE_TYPES[self.type]
+        check(bool(self.path) or not cls.needs_path, f"{where}.path: required for a {self.type} device")
         check(self.capacity is None or self.capacity > 0, f"{where}.capacity: must be positive")
-        check(self.type == "extent" or self.capacity is not None, f"{where}.capacity: required for a {self.type} device")
+        check(self.capacity is not None or not cls.needs_capacity,
+              f"{where}.capacity: required for a {self.type} device")
         check(self.bandwidth is None or self.bandwidth > 0, f"{where}.bandwidth: must be positive bytes/s")
         check(self.throttle is None or self.throttle > 0, f"{where}.throttle: must be positive bytes/s")
         check(1 <= self.workers <= 64, f"{where}.workers: must be 1..64")

@@ -59,6 +59,8 @@ def not_a_device(path: str) -> ConfigError:
 
 class Device(ABC):
     kind: ClassVar[str]   # what the lookup table records as device type: "mem", "ssd" or "fs"
+    needs_path: ClassVar[bool] = True
+    needs_capacity: ClassVar[bool] = True
     align: int = ALIGN
 
     def __init__(self, cfg: DeviceConfig, readonly: bool = False):

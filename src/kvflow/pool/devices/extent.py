@@ -25,6 +25,7 @@ _ZERO_STEP = 8 << 20
 
 class ExtentDevice(Device):
     kind = "ssd"
+    needs_capacity = False   # a block device's size is its capacity
 
     def __init__(self, cfg, readonly: bool = False):
         super().__init__(cfg, readonly)

@@ -17,6 +17,7 @@ from kvflow.pool.devices.base import (SUPERBLOCK, Device, aligned_empty, file_si
 
 class MemoryDevice(Device):
     kind = "mem"
+    needs_path = False
 
     def __init__(self, cfg, readonly: bool = False):
         super().__init__(cfg, readonly)

@@ -1,0 +1,46 @@
+"""Tiny models of what the restorer stores: chunk keys of a random context and a tensor determined by its key."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+from kvflow.chunks.keys import ChunkKey, chunk_keys
+
+FP = "0123456789abcdef" * 2
+
+
+def context_keys(n_chunks: int, groups=((0, 1),), seed: int = 0, chunk_tokens: int = 16) -> list[ChunkKey]:
+    """Keys of one context, chunk-major (chunk 0 group 0, chunk 0 group 1, ...), as the restorer stores them."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(50_000) for _ in range(n_chunks * chunk_tokens)]
+    return [k for row in chunk_keys(tokens, FP, chunk_tokens, list(groups)) for k in row]
+
+
+def tensor_for(key: ChunkKey, numel: int = 512) -> torch.Tensor:
+    """The record content of ``key``: a reproducible function of its digest, so any process can check it."""
+    g = torch.Generator().manual_seed(int.from_bytes(key.digest[:8], "little") & (2**63 - 1))
+    return torch.randn(2, numel // 2, generator=g)
+
+
+def odirect_supported(folder) -> bool:
+    path = os.path.join(folder, ".odirect-probe")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(path)
+    return True
+
+
+def device_cfg(tmp_path, kind: str, capacity: int = 8 << 20, **extra) -> dict:
+    """A device entry of each type under tmp_path (memory devices get a shared file so they persist)."""
+    if kind == "memory":
+        return {"type": "memory", "path": str(tmp_path / "mem0"), "capacity": capacity, **extra}
+    if kind == "extent":
+        return {"type": "extent", "path": str(tmp_path / "disk.img"), "capacity": capacity,
+                "direct": odirect_supported(tmp_path), **extra}
+    return {"type": "files", "path": str(tmp_path / "files"), "capacity": capacity, **extra}
