@@ -1,0 +1,136 @@
+"""Batch-aware two pointers: one compute pointer and one I/O pointer managed over a whole batch.
+
+    1. Split the batch globally: the I/O side takes the chunks whose recompute is most expensive (the late
+       chunks of the long contexts — the largest marginal saving) until compute and I/O are balanced;
+       the compute side keeps the cheap early chunks of every request. Each request's loaded chunks are a
+       suffix, so every request still has one meet point.
+    2. Order: requests in order of their restoration work (shortest first). The compute side runs each
+       request's prefix in that order; the I/O side loads each request's suffix in that order (in practice
+       it starts on the long requests at once, since short ones load nothing). A request's query runs as
+       soon as its grid is whole, so short requests are not stuck behind long ones.
+    3. Run-time correction: after the planned items both orders continue into the other side's chunks
+       (compute forward, I/O backward); per-request claims let whichever side is ahead take over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvflow.planner.plan import ComputeStep, LoadStep, Plan, Prediction
+from kvflow.planner.predict import step_time
+from kvflow.planner.strategies import Planner, Request
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    plans: tuple[Plan, ...]
+    compute_order: tuple[tuple[int, ComputeStep], ...]
+    io_order: tuple[tuple[int, LoadStep], ...]
+    query_order: tuple[int, ...]
+    predicted_ttft: tuple[float, ...]
+    lower_bound_s: float       # no schedule can finish the whole batch sooner (cost model + bandwidth)
+
+
+def plan_batch(planner: Planner, requests: list[Request]) -> BatchPlan:
+    cost, io, L, C = planner.cost, planner.io, planner.L, planner.C
+    chunk_io = io.cells_time(L) + io.step_latency
+    chunk_cost = [[step_time(cost, (i * C, (i + 1) * C), L) for i in range(req.stored_chunks)] for req in requests]
+    queries = [step_time(cost, (req.stored_chunks * C, req.context_len + req.query_len), L) + cost.head
+               for req in requests]
+
+    # 1. global split: move the most expensive chunks to I/O while that lowers max(compute, io)
+    cells = sorted(((c, r, i) for r, row in enumerate(chunk_cost) for i, c in enumerate(row)), reverse=True)
+    compute, io_total = sum(map(sum, chunk_cost)) + sum(queries), 0.0
+    meet = [req.stored_chunks for req in requests]
+    for c, r, i in cells:
+        if max(compute - c, io_total + chunk_io) >= max(compute, io_total) or i != meet[r] - 1:
+            break
+        compute, io_total, meet[r] = compute - c, io_total + chunk_io, i
+    bound = _makespan_bound(planner, requests, chunk_cost, queries)
+
+    # 2. orders: shortest restoration work first; planned items, then each side's run-time extension
+    order = sorted(range(len(requests)), key=lambda r: (sum(chunk_cost[r]) + queries[r], r))
+    per = max(1, planner.config.max_step // C)
+    compute_order, io_order = [], []
+    for r in order:
+        i = 0
+        while i < meet[r]:
+            size = per if i + per <= meet[r] - planner.config.near_meet_chunks else 1
+            compute_order.append((r, ComputeStep((i * C, min(i + size, meet[r]) * C), (0, L))))
+            i += size
+        io_order += [(r, LoadStep((i, i + 1), (0, L))) for i in reversed(range(meet[r], requests[r].stored_chunks))]
+    for r in order:
+        compute_order += [(r, ComputeStep((i * C, (i + 1) * C), (0, L)))
+                          for i in range(meet[r], requests[r].stored_chunks)]
+        io_order += [(r, LoadStep((i, i + 1), (0, L))) for i in reversed(range(meet[r]))]
+
+    plans = []
+    for r, req in enumerate(requests):
+        plan = planner.plan("token", req)
+        split = tuple([L] * meet[r] + [0] * (req.stored_chunks - meet[r]))
+        plans.append(replace(plan, strategy="cacheflow-batch", split=split,
+                             compute=tuple(s for q, s in compute_order if q == r),
+                             loads=tuple(s for q, s in io_order if q == r), pipelined_query=False))
+    predicted = simulate_batch(planner, plans, compute_order, io_order, order)
+    plans = [replace(p, predicted=Prediction(t, t, 0.0, 0.0), lower_bound_s=bound) for p, t in zip(plans, predicted)]
+    return BatchPlan(tuple(plans), tuple(compute_order), tuple(io_order), tuple(order), tuple(predicted), bound)
+
+
+def _makespan_bound(planner: Planner, requests, chunk_cost, queries) -> float:
+    """min over the set of loaded chunks of max(total compute + queries, total I/O + last query layer)."""
+    io, L = planner.io, planner.L
+    per_layer = sorted((c / L for row in chunk_cost for c in row for _ in range(L)), reverse=True)
+    compute = sum(map(sum, chunk_cost)) + sum(queries)
+    q_last = min((q / L for q in queries), default=0.0)
+    best, loaded = compute, 0
+    for c in per_layer:
+        compute -= c
+        loaded += 1
+        best = min(best, max(compute, io.cells_time(loaded) + q_last))
+    return best
+
+
+def simulate_batch(planner: Planner, plans, compute_order, io_order, query_order) -> list[float]:
+    """Predicted TTFT per request: the executor's batch mechanism replayed on the cost model."""
+    cost, io, L, C = planner.cost, planner.io, planner.L, planner.C
+    chunk_io = io.cells_time(L) + io.step_latency
+    lo = [0] * len(plans)
+    hi = [p.num_chunks for p in plans]
+    left = [0] * len(plans)
+    for r, _ in compute_order:
+        left[r] += 1
+    loaded_at = [0.0] * len(plans)            # when the last I/O chunk of each request lands
+    tc, tio, ci, ii = 0.0, 0.0, 0, 0
+    ttft = [0.0] * len(plans)
+    waiting = list(query_order)
+
+    def serve(now: float, final: bool) -> float:
+        for r in list(waiting):
+            if lo[r] >= hi[r] or (final and left[r] == 0):
+                now = max(now, loaded_at[r])
+                now += step_time(cost, plans[r].suffix, L) + cost.head
+                ttft[r] = now
+                waiting.remove(r)
+        return now
+
+    while ci < len(compute_order) or ii < len(io_order):
+        if ci < len(compute_order) and (tc <= tio or ii >= len(io_order)):
+            r, step = compute_order[ci]
+            ci += 1
+            left[r] -= 1
+            a, b = step.tokens
+            b = min(b, hi[r] * C)
+            if b > a and a // C >= lo[r]:
+                tc += step_time(cost, (a, b), L)
+                lo[r] = b // C
+            tc = serve(tc, False)
+        else:
+            r, step = io_order[ii]
+            ii += 1
+            c0 = step.chunks[0]
+            if c0 >= lo[r] and c0 < hi[r]:
+                tio += chunk_io
+                hi[r] = c0
+                loaded_at[r] = tio
+    serve(tc, True)
+    return ttft

@@ -1,0 +1,173 @@
+"""Where the two pointers are decided. Every strategy — kvflow's and the peers' baselines — is a plan
+builder here; the executor runs them all the same way, so comparisons differ only in the plan.
+
+    recompute        full prefill in max_step steps (vLLM on a prefix miss)
+    load             load every chunk, then prefill the query (LMCache)
+    load-layerwise   load layer by layer while the query runs layer by layer (LMCache layer-wise pipelining)
+    cake             compute forward / load backward in fixed chunks, meet at run time, no cost model (Cake)
+    token            CacheFlow token two-pointer: meet planned from the cost model (sets step sizes), corrected
+                     at run time; query pipelined
+    layer            lower layers recomputed for every token, upper layers loaded; cut from the cost model
+    staircase        best token x layer staircase the cost model finds
+    cacheflow        the predicted-fastest of token / layer / staircase / load-layerwise / recompute (a static
+                     plan must beat the run-time-corrected token plan by ``static_margin``)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvflow.config import check
+from kvflow.cost.model import CostModel
+from kvflow.errors import KVFlowError
+from kvflow.planner.plan import ComputeStep, LoadStep, Plan
+from kvflow.planner.predict import (IOModel, compute_steps, layer_major_loads, lower_bound, predict,
+                                    simulate_meet)
+
+STRATEGIES = ("recompute", "load", "load-layerwise", "cake", "token", "layer", "staircase", "cacheflow")
+
+
+@dataclass(slots=True)
+class PlannerConfig:
+    max_step: int = 1024          # largest compute step in tokens (bigger steps amortise per-call overhead)
+    static_margin: float = 0.05   # a static plan must be predicted this much faster than `token` to be chosen
+    near_meet_chunks: int = 2     # `token` uses single-chunk steps this close to the predicted meet
+
+    def validate(self) -> None:
+        check(self.max_step >= 1, f"planner.max_step must be >= 1, got {self.max_step}")
+        check(0 <= self.static_margin < 1, f"planner.static_margin must be in [0, 1), got {self.static_margin}")
+        check(self.near_meet_chunks >= 0, "planner.near_meet_chunks must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What the planner needs to know about one restoration."""
+    context_len: int
+    query_len: int
+    stored_chunks: int     # full chunks of the context found in the pool (a prefix)
+
+
+class Planner:
+    def __init__(self, cost: CostModel, io: IOModel, num_layers: int, chunk_tokens: int,
+                 config: PlannerConfig | None = None):
+        self.cost, self.io, self.L, self.C = cost, io, num_layers, chunk_tokens
+        self.config = config or PlannerConfig()
+
+    # ----------------------------------------------------------------------------------------- API
+    def plan(self, strategy: str, req: Request) -> Plan:
+        builder = getattr(self, "_" + strategy.replace("-", "_"), None)
+        if strategy not in STRATEGIES or builder is None:
+            raise KVFlowError(f"unknown strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+        plan = builder(req)
+        return self.finish(plan)
+
+    def finish(self, plan: Plan) -> Plan:
+        bound = lower_bound(self.cost, self.io, plan.num_chunks, self.C, self.L, plan.suffix, self.config.max_step)
+        return replace(plan, predicted=predict(plan, self.cost, self.io), lower_bound_s=bound)
+
+    def crossover_length(self, query_len: int, max_chunks: int = 256) -> int | None:
+        """L_delta: the shortest context (tokens) at which the token plan is predicted faster than the layer plan."""
+        for n in range(1, max_chunks + 1):
+            req = Request(n * self.C, query_len, n)
+            if self.plan("token", req).predicted.ttft_s < self.plan("layer", req).predicted.ttft_s:
+                return n * self.C
+        return None
+
+    # ------------------------------------------------------------------------------------ builders
+    def _base(self, strategy: str, req: Request, split, **kw) -> Plan:
+        return Plan(strategy, req.context_len, req.query_len, self.C, self.L, tuple(split),
+                    step_tokens=self.config.max_step, **kw)
+
+    def _static(self, strategy: str, req: Request, split, pipelined: bool = True) -> Plan:
+        split = tuple(split)
+        return self._base(strategy, req, split, compute=compute_steps(split, self.C, self.config.max_step),
+                          loads=layer_major_loads(split, self.L), pipelined_query=pipelined)
+
+    def _recompute(self, req: Request) -> Plan:
+        # Stored chunks are ignored: the grid is recomputed like the query, in max_step steps.
+        return self._static("recompute", req, [self.L] * req.stored_chunks, pipelined=False)
+
+    def _load(self, req: Request) -> Plan:
+        n = req.stored_chunks
+        loads = tuple(LoadStep((i, i + 1), (0, self.L)) for i in range(n))
+        return self._base("load", req, [0] * n, compute=(), loads=loads)
+
+    def _load_layerwise(self, req: Request) -> Plan:
+        return self._static("load-layerwise", req, [0] * req.stored_chunks)
+
+    def _meet(self, strategy: str, req: Request, steps, pipelined: bool) -> Plan:
+        n = req.stored_chunks
+        loads = tuple(LoadStep((i, i + 1), (0, self.L)) for i in reversed(range(n)))
+        plan = self._base(strategy, req, [self.L] * n, compute=tuple(steps), loads=loads, dynamic_meet=True,
+                          pipelined_query=pipelined)
+        return replace(plan, split=self._predicted_meet(plan))
+
+    def _predicted_meet(self, plan: Plan) -> tuple[int, ...]:
+        """Where the simulated pointers meet: recomputed chunks get L, loaded ones 0."""
+        meet = simulate_meet(plan, self.cost, self.io)[3]
+        return tuple([self.L] * meet + [0] * (plan.num_chunks - meet))
+
+    def _cake(self, req: Request) -> Plan:
+        steps = [ComputeStep((i * self.C, (i + 1) * self.C), (0, self.L)) for i in range(req.stored_chunks)]
+        return self._meet("cake", req, steps, pipelined=False)
+
+    def _token(self, req: Request) -> Plan:
+        n, C = req.stored_chunks, self.C
+        guess = self._cake(req).split.count(self.L)          # predicted meet with single-chunk steps
+        per = max(1, self.config.max_step // C)
+        steps, i = [], 0
+        while i < n:                                         # big steps while far from the meet, then single chunks
+            size = per if i + per <= guess - self.config.near_meet_chunks else 1
+            steps.append(ComputeStep((i * C, min(i + size, n) * C), (0, self.L)))
+            i += size
+        return self._meet("token", req, steps, pipelined=True)
+
+    def _layer(self, req: Request) -> Plan:
+        n = req.stored_chunks
+        candidates = [self._static("layer", req, [cut] * n) for cut in range(self.L + 1)]
+        return min(candidates, key=self._ttft)
+
+    def _staircase(self, req: Request) -> Plan:
+        """Two staircase families, each balanced by bisection on the number m of fully recomputed chunks:
+        (a) [L]*m + [s] + [0]*rest   token split with a partially recomputed boundary chunk;
+        (b) [L]*m + [s]*rest          full chunks first, then the lower s layers of the rest."""
+        n, L = req.stored_chunks, self.L
+        if n == 0:
+            return self._static("staircase", req, [])
+        best = None
+        for s in range(L + 1):
+            for family in ("a", "b"):
+                def split(m, s=s, family=family):
+                    rest = n - m
+                    if family == "a":
+                        return [L] * m + ([s] + [0] * (rest - 1) if rest else [])
+                    return [L] * m + [s] * rest
+                for m in self._balanced(lambda m: self._static("staircase", req, split(m)), n):
+                    plan = self._static("staircase", req, split(m))
+                    if best is None or self._ttft(plan) < self._ttft(best):
+                        best = plan
+        return best
+
+    def _balanced(self, make, n: int) -> list[int]:
+        """m values around the point where predicted compute stops being shorter than I/O."""
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            p = predict(make(mid), self.cost, self.io)
+            if p.compute_s < p.io_s:
+                lo = mid + 1
+            else:
+                hi = mid
+        return sorted({max(0, lo - 1), lo, min(n, lo + 1)})
+
+    def _cacheflow(self, req: Request) -> Plan:
+        token = self._token(req)
+        static = [self._layer(req), self._staircase(req), self._load_layerwise(req), self._recompute(req)]
+        best_static = min(static, key=self._ttft)
+        choice = token
+        if self._ttft(best_static) < (1 - self.config.static_margin) * self._ttft(token) or req.stored_chunks == 0:
+            choice = best_static
+        return replace(choice, strategy="cacheflow", notes={"chose": choice.strategy})
+
+    def _ttft(self, plan: Plan) -> float:
+        return predict(plan, self.cost, self.io).ttft_s

@@ -1,0 +1,190 @@
+"""Restorer: the façade over model runner, pool, cost model, planner and executor.
+
+    r = Restorer(runner, KVPool.memory())
+    r.store(context_ids)                                   # prefill once, one record per (chunk, layer)
+    out = r.restore(context_ids, query_ids, strategy="cacheflow")
+    out.logits, out.kv, out.plan, out.timings, out.timeline
+
+Data flows one way: prefix lookup -> plan -> (compute || I/O) -> assembled KV -> tail + query -> logits.
+Each record holds one chunk of one layer, so any token x layer split loads exactly the cells it needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvflow.chunks.keys import ChunkKey, chunk_keys, layer_groups
+from kvflow.chunks.record import HEADER_SIZE
+from kvflow.cost.model import CostModel, default_profile_path
+from kvflow.errors import KVFlowError
+from kvflow.executor import Event, Executor, Job, Timings
+from kvflow.model.runner import ModelRunner
+from kvflow.planner import IOModel, Plan, Planner, PlannerConfig, Request
+from kvflow.planner.batch import BatchPlan, plan_batch
+
+log = logging.getLogger("kvflow.restore")
+
+
+@dataclass
+class StoreResult:
+    tokens: int            # tokens now stored (full chunks)
+    chunks_written: int
+    bytes_written: int
+    seconds: float
+
+
+@dataclass
+class RestoreResult:
+    logits: torch.Tensor                       # next-token logits after the query, [vocab]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v) [1, kv_heads, context+query, head_dim]
+    plan: Plan
+    timings: Timings
+    timeline: list[Event]
+    fallback_chunks: list[int] = field(default_factory=list)
+
+
+def as_ids(token_ids) -> torch.Tensor:
+    t = torch.as_tensor(token_ids, dtype=torch.long).view(-1)
+    return t
+
+
+def _check_request(context_ids, query_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    ctx, query = as_ids(context_ids), as_ids(query_ids)
+    if query.numel() == 0:
+        raise KVFlowError("restore needs at least one query token (the next-token logits follow the query)")
+    return ctx, query
+
+
+def load_cost_model(runner: ModelRunner, *, profile_if_missing: bool = True, max_position: int = 8192) -> CostModel:
+    """The saved profile of this model on this machine (``kvflow profile``), profiling now if there is none."""
+    from kvflow.cost import profile
+
+    path = default_profile_path(runner.name, runner.fingerprint, torch.get_num_threads())
+    if path.exists():
+        return CostModel.load(path)
+    if not profile_if_missing:
+        raise KVFlowError(f"no cost profile for {runner.name}: run `kvflow profile {runner.name}`")
+    log.warning("no cost profile for %s on this machine: profiling now (saved to %s)", runner.name, path)
+    cost = profile(runner, max_position=max_position)
+    cost.save(path)
+    return cost
+
+
+class Restorer:
+    def __init__(self, runner: ModelRunner, pool, *, cost: CostModel | None = None,
+                 planner: PlannerConfig | None = None, storage_dtype: torch.dtype | str | None = None):
+        self.runner, self.pool = runner, pool
+        self.cost = cost or load_cost_model(runner)
+        self.planner_config = planner or PlannerConfig()
+        self.storage_dtype = storage_dtype
+        self.executor = Executor(runner, pool)
+        self.chunk_tokens = pool.chunk_tokens
+        self.groups = layer_groups(runner.num_layers, 1)
+
+    # ------------------------------------------------------------------------------------- storing
+    def keys(self, token_ids: torch.Tensor) -> list[list[ChunkKey]]:
+        return chunk_keys(token_ids, self.runner.fingerprint, self.chunk_tokens, self.groups)
+
+    def store(self, context_ids) -> StoreResult:
+        """Prefill the context once and store every full chunk's KV (one record per chunk x layer).
+        Chunks already in the pool are not written again."""
+        ids = as_ids(context_ids)
+        t0 = time.perf_counter()
+        keys = self.keys(ids)
+        flat = [k for row in keys for k in row]
+        present = self.pool.contains(flat)
+        missing = [k for k, ok in zip(flat, present) if not ok]
+        written = 0
+        if missing:
+            n = len(keys) * self.chunk_tokens
+            cache = self.runner.prefill(ids[:n], chunk=self.planner_config.max_step).cache
+            items = {k: cache.read_block(k.tokens, k.layers) for k in missing}
+            self.pool.put_many(items, **({"dtype": self._dtype()} if self.storage_dtype else {}))
+            written = sum(HEADER_SIZE + t.numel() * self._dtype().itemsize for t in items.values())
+        return StoreResult(len(keys) * self.chunk_tokens, len({k.tokens for k in missing}), written,
+                           time.perf_counter() - t0)
+
+    def _dtype(self) -> torch.dtype:
+        from kvflow.model.runner import parse_dtype
+        return parse_dtype(self.storage_dtype or "float32")
+
+    # ------------------------------------------------------------------------------------ planning
+    def io_model(self) -> IOModel:
+        cell = self.chunk_tokens * self.cost.kv_bytes_per_token_layer * self._dtype().itemsize // 4 + HEADER_SIZE
+        return IOModel(bandwidth=float(self.pool.read_bandwidth), cell_bytes=cell)
+
+    def planner(self) -> Planner:
+        return Planner(self.cost, self.io_model(), self.runner.num_layers, self.chunk_tokens, self.planner_config)
+
+    def lookup(self, context_ids: torch.Tensor, query_len: int) -> tuple[Request, list[list[ChunkKey]]]:
+        """Record keys of the context and how many of its chunks (a prefix) the pool holds."""
+        keys = self.keys(context_ids)
+        stored = self.pool.longest_prefix(context_ids, self.runner.fingerprint, self.groups) // self.chunk_tokens
+        return Request(context_ids.numel(), query_len, stored), keys
+
+    def plan(self, context_ids, query_len: int, strategy: str = "cacheflow") -> tuple[Plan, list[list[ChunkKey]], float]:
+        ids = as_ids(context_ids)
+        t0 = time.perf_counter()
+        req, keys = self.lookup(ids, query_len)
+        lookup = time.perf_counter() - t0
+        return self.planner().plan(strategy, req), keys, lookup
+
+    # ----------------------------------------------------------------------------------- restoring
+    def restore(self, context_ids, query_ids, strategy: str = "cacheflow") -> RestoreResult:
+        """Rebuild the context's KV with ``strategy``, prefill the query, return logits + KV + what happened."""
+        ctx, query = _check_request(context_ids, query_ids)
+        t0 = time.perf_counter()
+        plan, keys, lookup = self.plan(ctx, query.numel(), strategy)
+        planned = time.perf_counter()
+        execution = self.executor.run(plan, keys, torch.cat([ctx, query]))
+        timings = execution.timings
+        timings.lookup_s, timings.plan_s = lookup, planned - t0 - lookup
+        timings.ttft_s += planned - t0
+        length = ctx.numel() + query.numel()
+        return RestoreResult(execution.logits, execution.cache.layer_kv(length), plan, timings,
+                             execution.timeline, execution.fallback_chunks)
+
+    def restore_batch(self, requests, strategy: str = "cacheflow", scheduler: str | None = None) -> list[RestoreResult]:
+        """Restore a batch that arrives together; one result per request, TTFT measured from the batch start.
+
+        scheduler "batch" (default for cacheflow): global compute and I/O pointers over the whole batch
+        (planner/batch.py). scheduler "fcfs" (default otherwise): each request restored in turn with its own
+        ``strategy`` plan, as an engine without batch awareness does."""
+        scheduler = scheduler or ("batch" if strategy == "cacheflow" else "fcfs")
+        if scheduler not in ("batch", "fcfs"):
+            raise KVFlowError(f"unknown scheduler {scheduler!r}: use batch or fcfs")
+        if scheduler == "batch" and strategy != "cacheflow":
+            raise KVFlowError("the batch-aware scheduler plans its own splits: use strategy='cacheflow'")
+        pairs = [_check_request(c, q) for c, q in requests]
+        t0 = time.perf_counter()
+        if scheduler == "fcfs":
+            results = []
+            for ctx, query in pairs:
+                offset = time.perf_counter() - t0
+                res = self.restore(ctx, query, strategy)
+                res.timings.start_s = offset
+                res.timings.ttft_s += offset
+                results.append(res)
+            return results
+        looked = [self.lookup(ctx, query.numel()) for ctx, query in pairs]
+        lookup = time.perf_counter() - t0
+        batch = self.plan_batch([req for req, _ in looked])
+        planned = time.perf_counter()
+        jobs = [Job(plan, keys, torch.cat(pair)) for plan, (_, keys), pair in zip(batch.plans, looked, pairs)]
+        executions = self.executor.run_batch(jobs, list(batch.compute_order), list(batch.io_order),
+                                             list(batch.query_order))
+        results = []
+        for plan, pair, ex in zip(batch.plans, pairs, executions):
+            ex.timings.lookup_s, ex.timings.plan_s = lookup, planned - t0 - lookup
+            ex.timings.ttft_s += planned - t0
+            length = pair[0].numel() + pair[1].numel()
+            results.append(RestoreResult(ex.logits, ex.cache.layer_kv(length), plan, ex.timings, ex.timeline,
+                                         ex.fallback_chunks))
+        return results
+
+    def plan_batch(self, requests: list[Request]) -> BatchPlan:
+        return plan_batch(self.planner(), requests)

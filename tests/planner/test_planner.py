@@ -1,0 +1,111 @@
+"""Planner decisions on synthetic cost models: the meet point, the layer/token crossover, staircase validity,
+the lower bound."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvflow.cost import CostModel
+from kvflow.planner import STRATEGIES, IOModel, Planner, PlannerConfig, Request, predict
+from kvflow.planner.plan import Plan
+from kvflow.planner.predict import compute_steps, layer_major_loads
+
+C, L = 256, 8
+
+
+def cost_model(a=1e-4, b=3e-8, d=4e-3, e=5e-4, head=0.02, layers=L) -> CostModel:
+    return CostModel("synthetic", "0" * 32, 2, a=a, b=b, d=d, e=e, head=head, kv_bytes_per_token_layer=1024,
+                     num_layers=layers)
+
+
+def planner(rho: float, cost=None, **cfg) -> Planner:
+    cost = cost or cost_model()
+    return Planner(cost, IOModel(rho * cost.short_context_rate(C), C * 1024 + 128), L, C, PlannerConfig(**cfg))
+
+
+def cells(plan: Plan) -> tuple[set, set]:
+    """(computed cells, loaded cells) a static plan's steps cover."""
+    computed = {(i, l) for s in plan.compute for i in range(s.tokens[0] // C, s.tokens[1] // C)
+                for l in range(*s.layers)}
+    loaded = {(i, l) for s in plan.loads for i in range(*s.chunks) for l in range(*s.layers)}
+    return computed, loaded
+
+
+@settings(max_examples=60, deadline=None)
+@given(rho=st.sampled_from([0.25, 0.5, 1, 2, 4, 8]), n=st.integers(0, 48),
+       strategy=st.sampled_from([s for s in STRATEGIES if s not in ("cake", "token")]))
+def test_static_plans_fill_every_cell_exactly_once_and_never_compute_on_loaded_cells(rho, n, strategy):
+    plan = planner(rho).plan(strategy, Request(n * C + 17, 9, n))
+    if plan.dynamic_meet:
+        return
+    computed, loaded = cells(plan)
+    assert not computed & loaded
+    assert computed | loaded == {(i, l) for i in range(n) for l in range(L)}
+    assert list(plan.split) == sorted(plan.split, reverse=True), "a staircase never rises"
+    for s in plan.compute:
+        assert s.layers[0] == 0, "grid steps start from token embeddings"
+        assert all((i, l) in computed for i in range(s.tokens[0] // C) for l in range(*s.layers)), \
+            "every earlier chunk of a computed layer is computed, never loaded"
+
+
+@settings(max_examples=40, deadline=None)
+@given(rho=st.sampled_from([0.25, 0.5, 1, 2, 4, 8]), n=st.integers(1, 64))
+def test_token_meet_minimises_predicted_restore_time(rho, n):
+    """The run-time meet the planner predicts is where max(compute of the prefix, I/O of the suffix) is smallest,
+    within one step of the best static token split."""
+    p = planner(rho)
+    req = Request(n * C, 8, n)
+    cake = p.plan("cake", req)
+    best = min(predict(p._static("x", req, [L] * m + [0] * (n - m), pipelined=False), p.cost, p.io).restore_s
+               for m in range(n + 1))
+    one_chunk = max(p.cost.compute_time(C, (n - 1) * C, L), p.io.cells_time(L))
+    assert cake.predicted.restore_s <= best + one_chunk + 1e-9
+
+
+@pytest.mark.parametrize("rho", [0.5, 1, 2])
+def test_layer_split_wins_below_the_crossover_and_token_split_above(rho):
+    p = planner(rho)
+    crossover = p.crossover_length(16)
+    assert crossover is not None and crossover > C, "short contexts: one chunk per pointer is too coarse"
+    short, long = Request(C * 2, 16, 2), Request(crossover + 16 * C, 16, crossover // C + 16)
+    assert p.plan("layer", short).predicted.ttft_s < p.plan("token", short).predicted.ttft_s
+    assert p.plan("token", long).predicted.ttft_s < p.plan("layer", long).predicted.ttft_s
+
+
+@settings(max_examples=40, deadline=None)
+@given(rho=st.sampled_from([0.25, 0.5, 1, 2, 4, 8]), n=st.integers(0, 64), b=st.floats(1e-9, 1e-7))
+def test_cacheflow_is_predicted_no_slower_than_any_strategy_beyond_its_margin(rho, n, b):
+    p = planner(rho, cost_model(b=b))
+    req = Request(n * C + 5, 12, n)
+    chosen = p.plan("cacheflow", req).predicted.ttft_s
+    best = min(p.plan(s, req).predicted.ttft_s for s in STRATEGIES if s != "cacheflow")
+    assert chosen <= best / (1 - p.config.static_margin) + 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(rho=st.sampled_from([0.25, 1, 8, 1e6]), n=st.integers(0, 40), strategy=st.sampled_from(STRATEGIES))
+def test_lower_bound_is_below_every_prediction(rho, n, strategy):
+    plan = planner(rho).plan(strategy, Request(n * C + 3, 7, n))
+    assert plan.lower_bound_s <= plan.predicted.ttft_s + 1e-9
+
+
+def test_unstored_chunks_and_the_tail_go_with_the_query():
+    plan = planner(1).plan("cacheflow", Request(10 * C + 100, 20, 6))
+    assert plan.num_chunks == 6 and plan.suffix == (6 * C, 10 * C + 120)
+
+
+def test_compute_steps_merge_equal_splits_up_to_max_step():
+    steps = compute_steps((8, 8, 8, 8, 8, 3, 3, 0), C, 2 * C)
+    assert [(s.tokens, s.layers) for s in steps] == [((0, 512), (0, 8)), ((512, 1024), (0, 8)),
+                                                     ((1024, 1280), (0, 8)), ((1280, 1792), (0, 3))]
+
+
+def test_layer_major_loads_read_a_suffix_per_layer():
+    loads = layer_major_loads((3, 2, 0), 3)
+    assert [(s.chunks, s.layers) for s in loads] == [((2, 3), (0, 1)), ((2, 3), (1, 2)), ((1, 3), (2, 3))]
+
+
+def test_unknown_strategy_is_a_clear_error():
+    from kvflow.errors import KVFlowError
+    with pytest.raises(KVFlowError, match="unknown strategy"):
+        planner(1).plan("magic", Request(C, 1, 1))
