@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import json
 from pathlib import Path
 from typing import Optional
@@ -13,7 +15,7 @@ from rich.table import Table
 
 from kvflow.cli.main import app
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 160)  # full tables in logs too
 
 
 def progress_bar(description: str) -> Progress:

@@ -47,27 +47,35 @@ class Timings:
 
 
 def plot_timeline(events: list[Event], path, title: str, chunk_tokens: int, offset: float = 0.0) -> None:
-    """Two lanes (compute, I/O) over time; each bar labelled by its token range. The two pointers meeting is
-    visible as compute bars moving right through the context while load bars move left."""
+    """Top: the two lanes (compute, I/O) over time. Bottom: each grid step as a box spanning its time and its
+    token range — compute boxes climb from the start of the context while load boxes descend from its end,
+    and restoration ends where the two pointers meet."""
+    import textwrap
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
-    colors = {"compute": "#4C72B0", "fallback": "#C44E52", "query": "#55A868", "head": "#8172B2", "load": "#DD8452"}
-    fig, (ax, pos) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, gridspec_kw={"height_ratios": [1, 2]})
+    colors = {"compute": "#4C72B0", "load": "#DD8452", "fallback": "#C44E52", "query": "#55A868", "head": "#8172B2"}
+    fig, (ax, pos) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, gridspec_kw={"height_ratios": [1, 2]})
     lanes = {"load": 0, "compute": 1, "fallback": 1, "query": 1, "head": 1}
+    top = max([e.tokens[1] for e in events] + [1])
     for e in events:
         ax.barh(lanes[e.kind], e.end - e.start, left=e.start + offset, color=colors[e.kind], edgecolor="white",
                 height=0.6)
-        mid_chunk = (e.tokens[0] + e.tokens[1]) / 2 / chunk_tokens
-        if e.kind in ("compute", "load", "fallback"):
-            pos.plot([e.start + offset, e.end + offset], [mid_chunk, mid_chunk], color=colors[e.kind], lw=3)
+        pos.add_patch(Rectangle((e.start + offset, e.tokens[0] / chunk_tokens), e.end - e.start,
+                                (e.tokens[1] - e.tokens[0]) / chunk_tokens, facecolor=colors[e.kind],
+                                edgecolor="white", alpha=0.85))
+    end = max([e.end for e in events] + [0.0]) + offset
+    pos.set_xlim(0, end * 1.02)
+    pos.set_ylim(0, top / chunk_tokens)
     ax.set_yticks([0, 1], ["I/O", "compute"])
-    ax.set_title(title)
-    pos.set_ylabel("context position (chunks)")
+    ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=10)
+    pos.set_ylabel(f"context position (chunks of {chunk_tokens} tokens)")
     pos.set_xlabel("seconds")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), ncol=5, fontsize=8, loc="upper right")
-    fig.tight_layout()
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, list(colors), ncol=5, fontsize=8, loc="lower center")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

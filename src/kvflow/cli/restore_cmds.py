@@ -1,0 +1,259 @@
+"""`kvflow demo` and `kvflow bench restore`."""
+
+from __future__ import annotations
+
+import sys
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvflow.cli.main import app, bench_app
+from kvflow.errors import KVFlowError
+
+console = Console(width=None if sys.stdout.isatty() else 160)  # full tables in logs too
+err_console = Console(stderr=True)
+
+
+def parse_list(text: str, kind=float, name: str = "list") -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KVFlowError(f"bad {name} {text!r}: expected comma-separated {kind.__name__}s") from None
+    if not values or any(v <= 0 for v in values):
+        raise KVFlowError(f"bad {name} {text!r}: values must be positive")
+    return values
+
+
+def ensure_cost(runner, max_position: int):
+    """The saved cost profile of this model on this machine, or a fresh one (with a progress bar)."""
+    import torch
+
+    from kvflow.cli.model_cmds import progress_bar
+    from kvflow.cost import CostModel, default_profile_path, profile
+
+    path = default_profile_path(runner.name, runner.fingerprint, torch.get_num_threads())
+    if path.exists():
+        cost = CostModel.load(path)
+        if cost.fit.get("max_position", 0) >= max_position // 2:
+            return cost
+    with progress_bar(f"profiling {runner.name} (once per machine)") as bar:
+        task = bar.add_task(f"profiling {runner.name} (once per machine)", total=1)
+        cost = profile(runner, max_position=max_position, repeats=2,
+                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+    cost.save(path)
+    err_console.print(f"cost model saved to {path} (held-out error "
+                      f"{cost.fit['held_out_median_rel_error']:.1%})")
+    return cost
+
+
+def out_dir(out: Optional[Path], name: str) -> Path:
+    from kvflow.bench.restore_bench import now_tag
+    path = out or Path("runs") / f"{name}-{now_tag()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def status(message: str) -> None:
+    err_console.print(f"[dim]… {message}[/dim]")
+
+
+def strategy_table(title: str, rows: dict[str, dict]) -> Table:
+    from kvflow.bench.restore_bench import speedups
+    sp = speedups(rows)["vs"] if "cacheflow" in rows else {}
+    table = Table(title=title)
+    for col in ("strategy", "TTFT s", "cacheflow speedup", "predicted s", "TTFT/T*", "compute %", "I/O %",
+                "max |diff|", "plan"):
+        table.add_column(col, justify="left" if col in ("strategy", "plan") else "right")
+    for s, r in rows.items():
+        diff_ok = r["max_abs_diff"] <= 1e-4 and r["argmax_ok"]
+        table.add_row(s, f"{r['ttft_s']:.3f}", f"{sp[s]:.2f}x" if s in sp else "—", f"{r['predicted_s']:.3f}",
+                      f"{r['vs_lower_bound']:.2f}", f"{r['compute_util']:.0%}", f"{r['io_util']:.0%}",
+                      f"[{'green' if diff_ok else 'red'}]{r['max_abs_diff']:.1e}[/]", r["plan"])
+    return table
+
+
+@app.command("demo")
+def demo(
+    model: str = typer.Option("qwen2.5-0.5b@layers=2", help="preset or checkpoint directory"),
+    context_len: int = typer.Option(4096, "--context", min=256, help="context tokens to store and restore"),
+    query_len: int = typer.Option(32, "--query", min=1, help="new tokens after the context"),
+    rho: float = typer.Option(1.0, min=0.01, help="I/O-to-compute ratio the pool is throttled to"),
+    out: Optional[Path] = typer.Option(None, help="where to write the timeline PNG and JSON"),
+    as_json: bool = typer.Option(False, "--json", help="print the results as JSON"),
+) -> None:
+    """Store a long context, restore it with every strategy at rho, compare with a fresh full prefill."""
+    from kvflow.bench.restore_bench import make_bench, measure, public, rho_bandwidth, write_json
+    from kvflow.executor import plot_timeline
+    from kvflow.model import load_model
+    from kvflow.planner import STRATEGIES
+
+    status(f"building {model}")
+    runner = load_model(model)
+    cost = ensure_cost(runner, max(context_len, 2048))
+    bench = make_bench(runner, cost, [context_len], query_len=query_len, progress=status)
+    try:
+        bench.pools["memory"].set_throttle(rho_bandwidth(bench, rho))
+        rows = measure(bench, "memory", context_len, STRATEGIES, 1, status, "demo")
+    finally:
+        bench.close()
+    folder = out_dir(out, "demo")
+    png = folder / "timeline.png"
+    chosen = rows["cacheflow"]
+    plot_timeline(chosen["_result"].timeline, png, f"cacheflow restoring {context_len} tokens of {model} at "
+                  f"rho={rho:g}: {chosen['plan']}", bench.chunk_tokens)
+    data = public(rows)
+    write_json({"model": model, "context": context_len, "query": query_len, "rho": rho, "results": data},
+               folder / "demo.json")
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    console.print(strategy_table(f"{model}: restore {context_len} tokens + {query_len}-token query, rho={rho:g} "
+                                 f"(pool throttled to {rho_bandwidth(bench, rho) / 2**20:.1f} MiB/s)", rows))
+    console.print(f"every strategy checked against one fresh full prefill; timeline: {png}")
+
+
+@bench_app.command("restore")
+def bench_restore(
+    model: str = typer.Option("qwen2.5-0.5b@layers=4", help="preset or checkpoint directory"),
+    context_len: int = typer.Option(8192, "--context", min=256, help="context for the rho sweep"),
+    rhos: str = typer.Option("0.25,0.5,1,2,4,8", "--rho", help="I/O-to-compute ratios to sweep"),
+    lengths: str = typer.Option("512,1024,2048,4096,8192", help="contexts for the crossover sweep at rho=1"),
+    query_len: int = typer.Option(32, "--query", min=1),
+    repeats: int = typer.Option(3, min=1, help="interleaved repeats per point (median reported)"),
+    disk: bool = typer.Option(True, help="also run unthrottled from a real-disk O_DIRECT extent file"),
+    batch: Optional[str] = typer.Option(None, help="batch sizes, e.g. 2,4,8: run the batch benchmark instead"),
+    quick: bool = typer.Option(False, "--quick", help="small model and contexts: a smoke run in about a minute"),
+    out: Optional[Path] = typer.Option(None, help="output folder (default runs/bench-restore-<time>)"),
+    as_json: bool = typer.Option(False, "--json", help="print the JSON result instead of tables"),
+) -> None:
+    """TTFT of every strategy vs rho and context length (+ batches); ratios measured side by side."""
+    from kvflow.bench import restore_bench as rb
+    from kvflow.model import load_model
+    from kvflow.planner import STRATEGIES
+
+    if quick:
+        model, context_len, rhos, lengths, repeats = "qwen2.5-0.5b@layers=2", 2048, "1,8", "512,2048", 1
+    rho_list = parse_list(rhos, float, "--rho")
+    len_list = [int(x) for x in parse_list(lengths, int, "--lengths")]
+    batch_sizes = [int(x) for x in parse_list(batch, int, "--batch")] if batch else []
+    folder = out_dir(out, "bench-restore")
+    status(f"building {model}")
+    runner = load_model(model)
+    longest = max([context_len, *len_list] + ([8192] if batch_sizes else []))
+    cost = ensure_cost(runner, longest)
+    result: dict = {"model": model, "chunk_tokens": 256, "query": query_len, "repeats": repeats,
+                    "threads": cost.threads, "recompute_rate_mib_s": cost.short_context_rate() / 2**20}
+    if batch_sizes:
+        bench = rb.make_bench(runner, cost, [], query_len=query_len, progress=status)
+        try:
+            result["batches"] = [rb.measure_batch(bench, rb.batch_lengths(size, seed=size), 1.0, repeats, status)
+                                 for size in batch_sizes]
+        finally:
+            bench.close()
+        rb.plot_batch(result["batches"], folder / "batch.png", f"{model}, rho=1: batch-aware vs FCFS")
+        rb.write_json(result, folder / "restore-batch.json")
+        if as_json:
+            rb.write_json(result, Path("/dev/stdout"))
+            return
+        _print_batches(result["batches"])
+        console.print(f"JSON + PNG in {folder}")
+        return
+
+    bench = rb.make_bench(runner, cost, [context_len, *len_list], query_len=query_len,
+                          disk_dir=str(folder) if disk else None, progress=status)
+    try:
+        result["rho_sweep"] = rb.sweep_rho(bench, context_len, rho_list, STRATEGIES, repeats, status)
+        short = [n for n in len_list if n != context_len] + ([context_len] if context_len in len_list else [])
+        result["length_sweep"] = rb.sweep_length(bench, sorted(short), 1.0, STRATEGIES, repeats, status)
+        predicted_crossover = bench.restorer("memory").planner().crossover_length(query_len)  # pool at rho=1
+    finally:
+        bench.close()
+    for point in result["rho_sweep"] + result["length_sweep"]:
+        point["speedups"] = rb.speedups(point["rows"])
+    result["crossover"] = rb.crossover(result["length_sweep"])
+    result["crossover"]["predicted_tokens"] = predicted_crossover
+    one = next(p for p in result["rho_sweep"] if p["rho"] == 1.0) if 1.0 in rho_list else result["rho_sweep"][0]
+    cf = one["rows"]["cacheflow"]
+    rb.plot_rho(result["rho_sweep"], folder / "rho-sweep.png", f"{model}, {context_len} tokens")
+    rb.plot_lengths(result["length_sweep"], folder / "length-sweep.png", f"{model}, rho=1")
+    from kvflow.executor import plot_timeline
+    plot_timeline(cf["_result"].timeline, folder / "timeline.png",
+                  f"cacheflow, {context_len} tokens, rho={one['rho']:g}: {cf['plan']}", 256)
+    result["acceptance"] = _acceptance(result, one)
+    for point in result["rho_sweep"] + result["length_sweep"]:
+        point["rows"] = rb.public(point["rows"])
+    rb.write_json(result, folder / "restore.json")
+    if as_json:
+        rb.write_json(result, Path("/dev/stdout"))
+        return
+    for point in result["rho_sweep"]:
+        console.print(strategy_table(f"{model}, {point['context']} tokens, {point['pool']}, rho={point['rho']:.3g}",
+                                     {r["strategy"]: r for r in point["rows"]}))
+    _print_lengths(result)
+    _print_acceptance(result["acceptance"])
+    console.print(f"JSON + PNG (rho-sweep, length-sweep, timeline) in {folder}")
+
+
+def _acceptance(result: dict, one: dict) -> dict:
+    rows = one["rows"]
+    cf = rows["cacheflow"]["ttft_s"]
+    worst = max(p["speedups"]["cacheflow_vs_best_other"] for p in result["rho_sweep"])
+    cross = result["crossover"]["points"]
+    return {
+        "rho1_cacheflow_vs_min_recompute_load": cf / min(rows["recompute"]["ttft_s"], rows["load"]["ttft_s"]),
+        "rho1_cacheflow_vs_cake": cf / rows["cake"]["ttft_s"],
+        "rho1_ttft_vs_lower_bound": rows["cacheflow"]["vs_lower_bound"],
+        "rho1_compute_util": rows["cacheflow"]["compute_util"],
+        "rho1_io_util": rows["cacheflow"]["io_util"],
+        "worst_cacheflow_vs_best_other_over_sweep": worst,
+        "crossover_tokens": result["crossover"]["measured_tokens"],
+        "cacheflow_vs_faster_side_at_each_length": [p["cacheflow_s"] / p["faster_side_s"] for p in cross],
+        "max_abs_diff": max(r["max_abs_diff"] for p in result["rho_sweep"] + result["length_sweep"]
+                            for r in p["rows"].values()),
+    }
+
+
+def _print_lengths(result: dict) -> None:
+    table = Table(title="context length sweep at rho=1 (TTFT s) — where layer split stops paying")
+    points = result["length_sweep"]
+    strategies = [r["strategy"] for r in points[0]["rows"]]
+    table.add_column("context", justify="right")
+    for s in strategies:
+        table.add_column(s, justify="right")
+    table.add_column("cacheflow chose")
+    for p in points:
+        rows = {r["strategy"]: r for r in p["rows"]}
+        table.add_row(str(p["context"]), *[f"{rows[s]['ttft_s']:.3f}" for s in strategies], rows["cacheflow"]["chose"])
+    console.print(table)
+    console.print(f"measured crossover (token split beats layer split from): {result['crossover']['measured_tokens']}")
+
+
+def _print_acceptance(acc: dict) -> None:
+    table = Table(title="headline ratios (same run, medians)")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for k, v in acc.items():
+        if isinstance(v, list):
+            v = ", ".join(f"{x:.2f}" for x in v)
+        elif isinstance(v, float):
+            v = f"{v:.3f}"
+        table.add_row(k, str(v))
+    console.print(table)
+
+
+def _print_batches(batches: list[dict]) -> None:
+    for res in batches:
+        table = Table(title=f"batch of {len(res['lengths'])} (contexts {res['lengths']}), rho={res['rho']:g}, "
+                            f"max |diff| {res['max_abs_diff']:.1e}")
+        for col in ("scheduler", "mean s", "P50 s", "P90 s", "P99 s"):
+            table.add_column(col, justify="right" if col != "scheduler" else "left")
+        for name, st in res["modes"].items():
+            table.add_row(name, *(f"{st[k]:.3f}" for k in ("mean", "p50", "p90", "p99")))
+        console.print(table)
+        console.print("batch-aware / FCFS cake: " + ", ".join(f"{k} {v:.2f}x"
+                                                             for k, v in res["batch_vs_fcfs_cake"].items()))
