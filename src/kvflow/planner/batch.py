@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvflow.planner.plan import ComputeStep, LoadStep, Plan, Prediction
-from kvflow.planner.predict import step_time
+from kvflow.planner.predict import lower_bound_many, step_time
 from kvflow.planner.strategies import Planner, Request
 
 
@@ -46,7 +46,8 @@ def plan_batch(planner: Planner, requests: list[Request]) -> BatchPlan:
         if max(compute - c, io_total + chunk_io) >= max(compute, io_total) or i != meet[r] - 1:
             break
         compute, io_total, meet[r] = compute - c, io_total + chunk_io, i
-    bound = _makespan_bound(planner, requests, chunk_cost, queries)
+    bound = lower_bound_many(cost, io, [(req.stored_chunks, (req.stored_chunks * C, req.context_len + req.query_len))
+                                        for req in requests], C, L, planner.config.max_step)
 
     # 2. orders: shortest restoration work first; planned items, then each side's run-time extension
     order = sorted(range(len(requests)), key=lambda r: (sum(chunk_cost[r]) + queries[r], r))
@@ -74,20 +75,6 @@ def plan_batch(planner: Planner, requests: list[Request]) -> BatchPlan:
     predicted = simulate_batch(planner, plans, compute_order, io_order, order)
     plans = [replace(p, predicted=Prediction(t, t, 0.0, 0.0), lower_bound_s=bound) for p, t in zip(plans, predicted)]
     return BatchPlan(tuple(plans), tuple(compute_order), tuple(io_order), tuple(order), tuple(predicted), bound)
-
-
-def _makespan_bound(planner: Planner, requests, chunk_cost, queries) -> float:
-    """min over the set of loaded chunks of max(total compute + queries, total I/O + last query layer)."""
-    io, L = planner.io, planner.L
-    per_layer = sorted((c / L for row in chunk_cost for c in row for _ in range(L)), reverse=True)
-    compute = sum(map(sum, chunk_cost)) + sum(queries)
-    q_last = min((q / L for q in queries), default=0.0)
-    best, loaded = compute, 0
-    for c in per_layer:
-        compute -= c
-        loaded += 1
-        best = min(best, max(compute, io.cells_time(loaded) + q_last))
-    return best
 
 
 def simulate_batch(planner: Planner, plans, compute_order, io_order, query_order) -> list[float]:

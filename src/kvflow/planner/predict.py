@@ -88,23 +88,30 @@ def simulate_meet(plan: Plan, cost: CostModel, io: IOModel) -> tuple[float, floa
 
 def lower_bound(cost: CostModel, io: IOModel, num_chunks: int, chunk_tokens: int, num_layers: int,
                 suffix: tuple[int, int], max_step: int) -> float:
-    """T*: the best any split of the grid can do under the cost model — compute and I/O perfectly overlapped,
-    cells loaded in the order that saves the most compute (latest chunks first), and after the last load only
-    the query's last layer + head remain. min over K loaded cells of max(C(K) + Q, IO(K) + q_last).
-    Per-call overheads are charged as if every step had ``max_step`` tokens, so no plan can beat it."""
+    """T* of one request (see :func:`lower_bound_many`)."""
+    return lower_bound_many(cost, io, [(num_chunks, suffix)], chunk_tokens, num_layers, max_step)
+
+
+def lower_bound_many(cost: CostModel, io: IOModel, requests: list[tuple[int, tuple[int, int]]], chunk_tokens: int,
+                     num_layers: int, max_step: int) -> float:
+    """T*: the best any split of the grid(s) can do under the cost model — compute and I/O perfectly overlapped,
+    the cells whose recompute costs most loaded first (latest chunks, any request), and after the last load only
+    one query's last layer + head remain. ``requests``: (stored chunks, suffix token range) each.
+    min over K loaded cells of max(C(K) + queries, IO(K) + q_last). Per-call overheads are charged as if every
+    step had ``max_step`` tokens, so no plan can beat it."""
     L, C = num_layers, chunk_tokens
     per_call = cost.d * min(1.0, C / max_step)
-    cell = [cost.a * C + cost.b * _keys_seen(i * C, C) + per_call for i in range(num_chunks)]  # one layer
-    q_all = step_time(cost, suffix, L)
-    q_last = step_time(cost, suffix, 1) + cost.head
-    compute = sum(cell) * L
-    best = compute + q_all + cost.head
-    loaded = 0
-    for i in reversed(range(num_chunks)):  # load chunk i's layers one by one (most expensive chunks first)
+    cells = sorted((cost.a * C + cost.b * _keys_seen(i * C, C) + per_call  # one chunk, one layer
+                    for n, _ in requests for i in range(n)), reverse=True)
+    queries = sum(step_time(cost, suffix, L) + cost.head for _, suffix in requests)
+    q_last = min(step_time(cost, suffix, 1) + cost.head for _, suffix in requests)
+    compute = sum(cells) * L + queries
+    best, loaded = compute, 0
+    for cell in cells:
         for _ in range(L):
-            compute -= cell[i]
+            compute -= cell
             loaded += 1
-            best = min(best, max(compute + q_all + cost.head, io.cells_time(loaded) + q_last))
+            best = min(best, max(compute, io.cells_time(loaded) + q_last))
     return best
 
 
