@@ -1,15 +1,16 @@
 """Batch-aware two pointers: one compute pointer and one I/O pointer managed over a whole batch.
 
-    1. Split the batch globally: the I/O side takes the chunks whose recompute is most expensive (the late
-       chunks of the long contexts — the largest marginal saving) until compute and I/O are balanced;
-       the compute side keeps the cheap early chunks of every request. Each request's loaded chunks are a
-       suffix, so every request still has one meet point.
-    2. Order: requests in order of their restoration work (shortest first). The compute side runs each
-       request's prefix in that order; the I/O side loads each request's suffix in that order (in practice
-       it starts on the long requests at once, since short ones load nothing). A request's query runs as
-       soon as its grid is whole, so short requests are not stuck behind long ones.
-    3. Run-time correction: after the planned items both orders continue into the other side's chunks
-       (compute forward, I/O backward); per-request claims let whichever side is ahead take over.
+    1. Order: requests by restoration work, shortest first, so short requests are not stuck behind long ones.
+    2. Split: the first k requests (in that order) each get their own balanced meet — both sides work on them
+       together and they finish early; the rest are split globally: the I/O side takes the chunks whose
+       recompute is most expensive (late chunks of long contexts — the largest marginal saving) until compute
+       and I/O balance, the compute side keeps the cheap early chunks. Loaded chunks are always a suffix, so
+       every request keeps one meet point. k = 0 is pure global balance (best makespan), k = N is shortest-
+       first per-request two pointers (best for the first requests); every k is simulated on the cost model
+       and the one with the lowest predicted mean + P99 TTFT is run.
+    3. Each side walks its planned items in request order, then continues into the other side's chunks
+       (compute forward, I/O backward); per-request claims let whichever side is ahead take over. A request's
+       query runs as soon as its grid is whole.
 """
 
 from __future__ import annotations
@@ -33,24 +34,47 @@ class BatchPlan:
 
 def plan_batch(planner: Planner, requests: list[Request]) -> BatchPlan:
     cost, io, L, C = planner.cost, planner.io, planner.L, planner.C
-    chunk_io = io.cells_time(L) + io.step_latency
     chunk_cost = [[step_time(cost, (i * C, (i + 1) * C), L) for i in range(req.stored_chunks)] for req in requests]
     queries = [step_time(cost, (req.stored_chunks * C, req.context_len + req.query_len), L) + cost.head
                for req in requests]
+    order = sorted(range(len(requests)), key=lambda r: (sum(chunk_cost[r]) + queries[r], r))
+    own = [planner.plan("token", req).split.count(L) for req in requests]   # per-request balanced meet
+    bound = lower_bound_many(cost, io, [(req.stored_chunks, (req.stored_chunks * C, req.context_len + req.query_len))
+                                        for req in requests], C, L, planner.config.max_step)
+    best = None
+    for k in range(len(requests) + 1):
+        meet = _global_meets(planner, requests, chunk_cost, queries, order[k:])
+        for r in order[:k]:
+            meet[r] = own[r]
+        compute_order, io_order = _orders(planner, requests, meet, order)
+        plans = [_request_plan(planner, req, r, meet[r], compute_order, io_order) for r, req in enumerate(requests)]
+        predicted = simulate_batch(planner, plans, compute_order, io_order, order)
+        score = sum(predicted) / len(predicted) + max(predicted, default=0.0)
+        if best is None or score < best[0]:
+            best = (score, plans, compute_order, io_order, predicted, k)
+    _, plans, compute_order, io_order, predicted, k = best
+    plans = [replace(p, predicted=Prediction(t, t, 0.0, 0.0), lower_bound_s=bound,
+                     notes={"sequential_first": k}) for p, t in zip(plans, predicted)]
+    return BatchPlan(tuple(plans), tuple(compute_order), tuple(io_order), tuple(order), tuple(predicted), bound)
 
-    # 1. global split: move the most expensive chunks to I/O while that lowers max(compute, io)
-    cells = sorted(((c, r, i) for r, row in enumerate(chunk_cost) for i, c in enumerate(row)), reverse=True)
-    compute, io_total = sum(map(sum, chunk_cost)) + sum(queries), 0.0
+
+def _global_meets(planner: Planner, requests, chunk_cost, queries, among: list[int]) -> list[int]:
+    """Move the most expensive chunks of the ``among`` requests to I/O while that lowers max(compute, io)."""
+    chunk_io = planner.io.cells_time(planner.L) + planner.io.step_latency
     meet = [req.stored_chunks for req in requests]
+    cells = sorted(((chunk_cost[r][i], r, i) for r in among for i in range(requests[r].stored_chunks)),
+                   reverse=True)
+    compute, io_total = sum(sum(chunk_cost[r]) + queries[r] for r in among), 0.0
     for c, r, i in cells:
         if max(compute - c, io_total + chunk_io) >= max(compute, io_total) or i != meet[r] - 1:
             break
         compute, io_total, meet[r] = compute - c, io_total + chunk_io, i
-    bound = lower_bound_many(cost, io, [(req.stored_chunks, (req.stored_chunks * C, req.context_len + req.query_len))
-                                        for req in requests], C, L, planner.config.max_step)
+    return meet
 
-    # 2. orders: shortest restoration work first; planned items, then each side's run-time extension
-    order = sorted(range(len(requests)), key=lambda r: (sum(chunk_cost[r]) + queries[r], r))
+
+def _orders(planner: Planner, requests, meet, order):
+    """Planned items in request order (big compute steps far from the meet), then each side's extension."""
+    L, C = planner.L, planner.C
     per = max(1, planner.config.max_step // C)
     compute_order, io_order = [], []
     for r in order:
@@ -64,17 +88,14 @@ def plan_batch(planner: Planner, requests: list[Request]) -> BatchPlan:
         compute_order += [(r, ComputeStep((i * C, (i + 1) * C), (0, L)))
                           for i in range(meet[r], requests[r].stored_chunks)]
         io_order += [(r, LoadStep((i, i + 1), (0, L))) for i in reversed(range(meet[r]))]
+    return compute_order, io_order
 
-    plans = []
-    for r, req in enumerate(requests):
-        plan = planner.plan("token", req)
-        split = tuple([L] * meet[r] + [0] * (req.stored_chunks - meet[r]))
-        plans.append(replace(plan, strategy="cacheflow-batch", split=split,
-                             compute=tuple(s for q, s in compute_order if q == r),
-                             loads=tuple(s for q, s in io_order if q == r), pipelined_query=False))
-    predicted = simulate_batch(planner, plans, compute_order, io_order, order)
-    plans = [replace(p, predicted=Prediction(t, t, 0.0, 0.0), lower_bound_s=bound) for p, t in zip(plans, predicted)]
-    return BatchPlan(tuple(plans), tuple(compute_order), tuple(io_order), tuple(order), tuple(predicted), bound)
+
+def _request_plan(planner: Planner, req: Request, r: int, meet: int, compute_order, io_order) -> Plan:
+    L = planner.L
+    return planner._base("cacheflow-batch", req, [L] * meet + [0] * (req.stored_chunks - meet),
+                         compute=tuple(s for q, s in compute_order if q == r),
+                         loads=tuple(s for q, s in io_order if q == r), dynamic_meet=True)
 
 
 def simulate_batch(planner: Planner, plans, compute_order, io_order, query_order) -> list[float]:
