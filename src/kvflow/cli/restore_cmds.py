@@ -210,6 +210,8 @@ def _acceptance(result: dict, one: dict) -> dict:
         "rho1_ttft_vs_lower_bound": rows["cacheflow"]["vs_lower_bound"],
         "rho1_compute_util": rows["cacheflow"]["compute_util"],
         "rho1_io_util": rows["cacheflow"]["io_util"],
+        "rho1_prefix_lookup_share_of_ttft": rows["cacheflow"]["lookup_s"] / cf,
+        "rho1_planning_share_of_ttft": rows["cacheflow"]["plan_s"] / cf,
         "worst_cacheflow_vs_best_other_over_sweep": worst,
         "crossover_tokens": result["crossover"]["measured_tokens"],
         "cacheflow_vs_faster_side_at_each_length": [p["cacheflow_s"] / p["faster_side_s"] for p in cross],
