@@ -74,17 +74,32 @@ class Bench:
             self.tmp.cleanup()
 
 
+def odirect_supported(folder: str) -> bool:
+    import os
+    path = os.path.join(folder, ".odirect-probe")
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        return False
+    os.unlink(path)
+    return True
+
+
 def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: int = 256, query_len: int = 32,
                disk_dir: str | None = None, progress: Progress = lambda s: None) -> Bench:
     """A throttled memory pool (two devices, striped) and, with ``disk_dir``, an O_DIRECT extent file there."""
     kv = runner.kv_bytes_per_token()
-    need = int(sum(lengths) * kv * 1.3) + (64 << 20)
+    need = ((int(sum(lengths) * kv * 1.3) >> 20) + 64) << 20  # whole MiB: extent devices want aligned sizes
     bench = Bench(runner, cost, chunk_tokens, query_len)
     bench.pools["memory"] = KVPool.memory(need, devices=2, chunk_tokens=chunk_tokens)
     if disk_dir is not None:
         bench.tmp = tempfile.TemporaryDirectory(prefix="kvflow-bench-", dir=disk_dir)
+        direct = odirect_supported(bench.tmp.name)
+        if not direct:
+            progress(f"{disk_dir} does not support O_DIRECT (tmpfs?): the disk run goes through the page cache")
         bench.pools["disk"] = KVPool.open({"chunk_tokens": chunk_tokens, "durability": "relaxed",
-                                           "devices": [{"type": "extent", "capacity": need,
+                                           "index_dir": str(Path(bench.tmp.name) / "index"),
+                                           "devices": [{"type": "extent", "capacity": need, "direct": direct,
                                                         "path": str(Path(bench.tmp.name) / "disk.img")}]})
     for n in sorted(set(lengths)):
         progress(f"storing a {n}-token context (prefill + reference)")
