@@ -72,7 +72,7 @@ class PoolConfig:
     index_dir: str | None = None     # required when any device is persistent
     placement: str = "bandwidth"     # bandwidth (p_i ∝ b_i) | equal (round robin) | overflow (fill one device at a time)
     checkpoint_interval_s: float = 5.0   # relaxed: sync devices + log this often; both: compact the log when large
-    wal_compact_bytes: int = 64 << 20    # rewrite the checkpoint once the write-ahead log exceeds this
+    wal_compact_bytes: int = 4 << 20     # rewrite the checkpoint once the log exceeds this and the checkpoint
     high_watermark: float = 0.95     # a device above this fraction of capacity evicts LRU records ...
     low_watermark: float = 0.85      # ... down to this fraction
     probe_bytes: int = 64 << 20      # bytes moved per device by the bandwidth probe at creation / `kvflow pool probe`

@@ -44,7 +44,10 @@ class FilesDevice(Device):
 
     def read(self, offset: int, length: int) -> torch.Tensor:
         t0 = time.perf_counter()
-        fd = os.open(self._path(offset), os.O_RDONLY)
+        try:
+            fd = os.open(self._path(offset), os.O_RDONLY)
+        except FileNotFoundError:
+            raise RecordError(f"{self.name}: record file {self._path(offset)} is missing") from None
         t1 = time.perf_counter()
         try:
             buf = aligned_empty(length)
