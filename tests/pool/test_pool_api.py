@@ -71,6 +71,16 @@ def test_longest_prefix_counts_chunks_with_every_layer_group():
             pool.longest_prefix(tokens, FP)
 
 
+def test_longest_prefix_digests_are_exactly_record_keys():
+    tokens = list(range(64))
+    for kind in ("kv", "act"):
+        for groups in ([(0, 3)], [(0, 1), (1, 300)]):
+            keys = chunks.chunk_keys(tokens, FP, 16, groups, kind)
+            with KVPool.memory("1M", chunk_tokens=16) as pool:
+                pool.put_many({k: tensor_for(k) for row in keys for k in row})
+                assert pool.longest_prefix(tokens, FP, groups, kind) == 64
+
+
 def test_read_bandwidth_follows_the_throttle_split_by_ratio():
     with KVPool.memory("4M", devices=4, bandwidth=400e6) as pool:
         assert pool.read_bandwidth == pytest.approx(400e6, rel=1e-6)

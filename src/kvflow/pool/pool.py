@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch
+import xxhash
 
-from kvflow.chunks.keys import ChunkKey, prefix_hashes, record_key
+from kvflow.chunks.keys import KINDS, ChunkKey, prefix_hashes
 from kvflow.chunks.record import HEADER_SIZE, decode, encode_into, parse_header, record_size
 from kvflow.config import _parse_size
 from kvflow.errors import ConfigError, KVFlowError, RecordError
@@ -350,9 +351,12 @@ class KVPool:
             raise ValueError("longest_prefix needs the layer groups every chunk must have")
         t0 = time.perf_counter()
         n, table, slots = 0, self._table, self._slots
+        # Hot path (512 chunks x dozens of groups at 128K tokens): record_key's digest without building ChunkKeys;
+        # tests/pool/test_pool_api.py pins it to record_key.
+        tails = [bytes([KINDS[kind]]) + lo.to_bytes(2, "little") + hi.to_bytes(2, "little") for lo, hi in layer_groups]
         for i, h in enumerate(prefix_hashes(token_ids, fingerprint, self.chunk_tokens)):   # dict reads: no lock
-            for g in layer_groups:
-                e = table.get(record_key(h, fingerprint, i, self.chunk_tokens, g, kind).digest)
+            for tail in tails:
+                e = table.get(xxhash.xxh3_128_digest(h + tail))
                 if e is None or not slots[e.dev].healthy:
                     break
             else:

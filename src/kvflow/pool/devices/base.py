@@ -68,7 +68,7 @@ class Device(ABC):
         self.name = cfg.name
         self.readonly = readonly
         self.persistent = cfg.persistent
-        self.capacity = cfg.capacity or 0
+        self.capacity = (cfg.capacity or 0) // ALIGN * ALIGN
         self.fresh = True             # created by this open: nothing stored on it survives from before
         self.intact_bytes: int | None = None   # set when a file was found truncated: data beyond it is gone
 

@@ -1,0 +1,127 @@
+"""`kvflow pool init|stat|probe|fsck` and `kvflow bench pool`.
+
+The pool config comes from the CONFIG argument, else $KVFLOW_CONFIG, else ./kvflow.yaml (its `pool:` section).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from kvflow.cli.main import app, bench_app
+from kvflow.errors import ConfigError
+
+pool_app = typer.Typer(help="The unified KV pool: create it, inspect it, re-probe bandwidths, verify every record.",
+                       no_args_is_help=True)
+app.add_typer(pool_app, name="pool")
+
+ConfigArg = typer.Argument(None, help="pool config (YAML/TOML); default $KVFLOW_CONFIG or ./kvflow.yaml",
+                           show_default=False)
+
+
+def _config(path: Optional[Path]) -> Path:
+    path = path or Path(os.environ.get("KVFLOW_CONFIG", "kvflow.yaml"))
+    if not path.is_file():
+        raise ConfigError(f"pool config {path} not found (pass CONFIG or set KVFLOW_CONFIG)")
+    return path
+
+
+def _open(path: Optional[Path], readonly: bool = False):
+    from kvflow.pool import KVPool, PoolConfig
+    cfg = PoolConfig.load(_config(path))
+    if cfg.index_dir is None:
+        raise ConfigError("this pool has no index_dir: nothing of it persists between commands")
+    return KVPool.open(cfg, readonly=readonly)
+
+
+def _device_rows(st: dict) -> list[dict]:
+    gib, mib = 1 << 30, 1 << 20
+    return [{"#": i, "device": d["name"], "kind": d["kind"], "GiB": d["capacity"] / gib,
+             "used %": 100 * d["used"] / max(d["capacity"], 1), "records": d["records"],
+             "read MiB/s": d["read_bw"] / mib, "write MiB/s": d["probed_write_bw"] / mib, "p": d["p"],
+             "ok": d["healthy"]} for i, d in enumerate(st["devices"])]
+
+
+def _show(title: str, st: dict) -> None:
+    from kvflow.bench.common import print_table
+    print_table(title, _device_rows(st))
+    Console().print(f"{st['records']} records, {st['used'] / (1 << 30):.3f} of {st['capacity'] / (1 << 30):.3f} GiB "
+                    f"used, pool reads at {st['read_bandwidth'] / (1 << 20):.0f} MiB/s, durability {st['durability']}")
+
+
+@pool_app.command("init")
+def init(config: Path = typer.Argument(..., help="pool config (YAML/TOML) to create the pool from")) -> None:
+    """Create every device (zero-filled extents, device headers), the index, and probe bandwidths."""
+    with _open(config) as pool:
+        _show("pool created", pool.stats())
+
+
+@pool_app.command("stat")
+def stat(config: Optional[Path] = ConfigArg,
+         as_json: bool = typer.Option(False, "--json", help="print the full stats as JSON")) -> None:
+    """Devices, fill, records, bandwidths and ratios — read-only, safe beside a running writer."""
+    with _open(config, readonly=True) as pool:
+        st = pool.stats()
+    if as_json:
+        print(json.dumps(st, indent=2, default=str))
+    else:
+        _show("pool", st)
+
+
+@pool_app.command("probe")
+def probe(config: Optional[Path] = ConfigArg,
+          size: Optional[str] = typer.Option(None, help="bytes to move per device, e.g. 256M (default: config)")) -> None:
+    """Measure every device's read/write bandwidth again (on free space) and store it for placement."""
+    from kvflow.config import _parse_size
+    with _open(config) as pool:
+        for i in range(len(pool.stats()["devices"])):
+            if pool.probe(i, _parse_size(size) if size else None) is None:
+                Console().print(f"device {i}: no free space to probe; kept its previous bandwidth")
+        _show("pool probed", pool.stats())
+
+
+@pool_app.command("fsck")
+def fsck(config: Optional[Path] = ConfigArg,
+         dry_run: bool = typer.Option(False, "--dry-run", help="report only; open read-only, drop nothing")) -> None:
+    """Read and verify every record (header, checksum, key, sequence); report bad ones and drop them.
+    Exit status 1 when any were found."""
+    with _open(config, readonly=dry_run) as pool:
+        report = pool.fsck(repair=not dry_run)
+    for bad in report["bad"]:
+        Console().print(f"bad record {bad['key']} on {bad['device']} at {bad['offset']}: {bad['error']}")
+    verb = "dropped" if report["repaired"] else "found"
+    Console().print(f"checked {report['checked']} records ({report['bytes'] / (1 << 20):.1f} MiB): "
+                    f"{len(report['bad'])} bad {verb}, {report['overlaps']} overlapping extents")
+    if report["bad"] or report["overlaps"]:
+        raise SystemExit(1)   # not typer.Exit: click returns (not raises) it when main() runs non-standalone
+
+
+@bench_app.command("pool")
+def bench_pool(quick: bool = typer.Option(False, "--quick", help="small sizes, one repeat: under a minute"),
+               as_json: bool = typer.Option(False, "--json", help="print the results as JSON instead of tables"),
+               out: Optional[Path] = typer.Option(None, help="output folder (default runs/pool-<timestamp>/)"),
+               disk_dir: Optional[Path] = typer.Option(None, help="folder on the real disk for extent vs files "
+                                                                  "(default $KVFLOW_BENCH_DISK or /var/tmp)"),
+               record_kib: int = typer.Option(256, help="record size for extent vs files")) -> None:
+    """Striping vs sum of devices vs equal/overflow; passthrough vs files on the real disk; lookup cost."""
+    from kvflow.bench import pool_bench
+    from kvflow.bench.common import out_dir, print_table, write_json
+    if disk_dir is not None and not disk_dir.is_dir():
+        raise ConfigError(f"--disk-dir {disk_dir} is not a folder")
+    console = Console(stderr=True)
+    folder = out_dir("pool", out)
+    results = pool_bench.run(quick=quick, disk_dir=str(disk_dir) if disk_dir else None, record_kib=record_kib,
+                             progress=lambda s: console.log(s) if not as_json else None)
+    write_json(folder / "results.json", results)
+    pool_bench.figure(results, folder / "pool.png")
+    if as_json:
+        print(json.dumps(results, indent=2, default=str))
+        return
+    for title, rows in pool_bench.tables(results):
+        print_table(title, rows)
+    Console().print(f"results: {folder / 'results.json'}, figure: {folder / 'pool.png'}")
