@@ -128,3 +128,10 @@ def test_extent_works_on_a_loop_block_device(loop_device):
     assert roundtrip(dev, 2 * ALIGN, payload) == payload
     dev.close()
     assert not open_device(cfg).fresh
+
+
+@pytest.mark.parametrize("kind", ["memory", "extent"])
+def test_a_capacity_that_is_not_a_multiple_of_4k_is_rounded_down(tmp_path, kind):
+    dev = open_device(DeviceConfig(**device_cfg(tmp_path, kind, capacity=(1 << 20) + 1000)))
+    assert dev.capacity == 1 << 20
+    dev.close()

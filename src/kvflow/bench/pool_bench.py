@@ -90,8 +90,10 @@ def striping(total_bw: float, weights, data_bytes: int, record_bytes: int, repea
 
 
 # -- 2. passthrough vs files on the real disk ---------------------------------------------------------------
-def drop_page_cache() -> str:
-    """Drop the kernel page cache if allowed (root); the files device also fadvises DONTNEED on every file."""
+def drop_page_cache(allowed: bool = True) -> str:
+    """Drop the kernel page cache if allowed (root); otherwise the files device fadvises DONTNEED on every file."""
+    if not allowed:
+        return "fadvise"
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -116,14 +118,15 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def passthrough(disk_dir: str, data_bytes: int, record_bytes: int, repeats: int, progress: Progress) -> dict:
+def passthrough(disk_dir: str, data_bytes: int, record_bytes: int, repeats: int, progress: Progress,
+                global_drop: bool = True) -> dict:
     n = data_bytes // record_bytes
     _, keys, data = synthetic_context(n * 256, record_bytes, seed=1)
     moved = sum(t.numel() * 4 for t in data.values())
     with tempfile.TemporaryDirectory(prefix="kvflow-bench-pool-", dir=disk_dir) as tmp:
         direct = odirect_supported(tmp)
         cap = int(moved * 1.3) // MiB * MiB + 64 * MiB
-        global_drop = drop_page_cache() == "drop_caches"   # else every file is fadvised out after each access
+        global_drop = drop_page_cache(global_drop) == "drop_caches"   # else each file is fadvised out after use
         devices = {"extent": {"type": "extent", "path": f"{tmp}/disk.img", "direct": direct},
                    "files": {"type": "files", "path": f"{tmp}/files", "drop_cache": not global_drop}}
         pools = {}
@@ -138,9 +141,9 @@ def passthrough(disk_dir: str, data_bytes: int, record_bytes: int, repeats: int,
         for r in range(repeats):
             for name, pool in pools.items():             # interleaved: drift in machine load hits both alike
                 progress(f"passthrough: reading via {name} ({r + 1}/{repeats})")
-                cache = drop_page_cache()
+                cache = drop_page_cache(global_drop)
                 timed_get(pool, keys[:1])     # fault our own code back in after the drop; this record stays cold
-                drop_page_cache()
+                drop_page_cache(global_drop)
                 files_dev = pool._slots[0].device.inner
                 meta0, data0 = getattr(files_dev, "meta_s", 0.0), getattr(files_dev, "data_s", 0.0)
                 c0, t0 = cpu_seconds(), time.perf_counter()
