@@ -75,7 +75,7 @@ def stat(config: Optional[Path] = ConfigArg,
 
 @pool_app.command("probe")
 def probe(config: Optional[Path] = ConfigArg,
-          size: Optional[str] = typer.Option(None, help="bytes to move per device, e.g. 256M (default: config)")) -> None:
+          size: Optional[str] = typer.Option(None, help="bytes per device, e.g. 256M (default: config)")) -> None:
     """Measure every device's read/write bandwidth again (on free space) and store it for placement."""
     from kvflow.config import _parse_size
     with _open(config) as pool:

@@ -70,7 +70,7 @@ class PoolConfig:
     durability: str = "strict"      # strict: a put returns once data and index are durable; relaxed: periodic sync
     storage_dtype: str = "float32"
     index_dir: str | None = None     # required when any device is persistent
-    placement: str = "bandwidth"     # bandwidth (p_i ∝ b_i) | equal (round robin) | overflow (fill one device at a time)
+    placement: str = "bandwidth"     # bandwidth (p_i ∝ b_i) | equal (round robin) | overflow (one device at a time)
     checkpoint_interval_s: float = 5.0   # relaxed: sync devices + log this often; both: compact the log when large
     wal_compact_bytes: int = 4 << 20     # rewrite the checkpoint once the log exceeds this and the checkpoint
     high_watermark: float = 0.95     # a device above this fraction of capacity evicts LRU records ...

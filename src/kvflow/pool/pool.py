@@ -135,12 +135,11 @@ class KVPool:
             else:
                 ident = None
             m = known.get(dcfg.name, {}) if dcfg.persistent else {}
-            bw = Bandwidth(float(dcfg.bandwidth or m.get("read_bw") or 0), float(dcfg.bandwidth or m.get("write_bw")
-                                                                               or 0))
+            bw = Bandwidth(float(dcfg.bandwidth or m.get("read_bw") or 0),
+                           float(dcfg.bandwidth or m.get("write_bw") or 0))
+            io = ThreadPoolExecutor(dcfg.workers, thread_name_prefix=f"kvpool-dev{len(self._slots)}")
             self._slots.append(_Slot(Throttled(device, dcfg.throttle), dcfg, ident,
-                                     ExtentAllocator(device.capacity, device.align),
-                                     ThreadPoolExecutor(dcfg.workers, thread_name_prefix=f"kvpool-dev{len(self._slots)}"),
-                                     bw, cap=dcfg.throttle))
+                                     ExtentAllocator(device.capacity, device.align), io, bw, cap=dcfg.throttle))
         self._table = LookupTable(len(self._slots))
         if journal is not None:
             self._recover()
@@ -194,7 +193,7 @@ class KVPool:
                       conflicts)
         if dropped or rec.torn or not rec.checkpoint_ok:
             log.warning("pool index %s: recovered %d records (%d dropped: device gone, new or truncated%s)",
-                        self.cfg.index_dir, len(self._table), dropped, "; log ended in a torn entry" if rec.torn else "")
+                        self.cfg.index_dir, len(self._table), dropped, "; the log ended torn" if rec.torn else "")
 
     def _probe_missing(self) -> None:
         shared: dict[str, Bandwidth] = {}
@@ -559,7 +558,10 @@ class KVPool:
         if ops and self._journal is not None and not self.readonly:
             self._journal.append(ops)
         for dev, offset in self._discards:
-            self._slots[dev].device.discard(offset)
+            try:
+                self._slots[dev].device.discard(offset)
+            except OSError as err:      # e.g. a dead disk refusing an unlink: the extent is free all the same
+                log.warning("pool: discard on %s failed: %s", self._slots[dev].device.name, err)
         self._discards.clear()
 
     def _io_error(self, dev: int, err: Exception, what: str) -> None:
