@@ -183,3 +183,14 @@ def test_a_closed_pool_refuses_work():
     pool.close()
     with pytest.raises(KVFlowError, match="closed"):
         pool.get_many(context_keys(1))
+
+
+def test_bad_input_to_put_is_one_clear_error_and_leaks_nothing():
+    from kvflow.errors import RecordError
+    key = context_keys(1)[0]
+    with KVPool.memory("1M") as pool:
+        with pytest.raises(RecordError, match="at most 6"):
+            pool.put_many({key: torch.zeros([1] * 7)})
+        with pytest.raises(RecordError, match="unsupported storage dtype"):
+            pool.put_many({key: torch.zeros(4)}, dtype=torch.int8)
+        assert pool.stats()["used"] == 0

@@ -191,7 +191,6 @@ class Journal:
             ckpt = ({}, gens[0] if gens else 0, 0)
         rows, wal_from, next_seq = ckpt
         wal_bytes, torn = 0, False
-        self._truncate_at = None
         for gen in (g for g in gens if g >= wal_from):
             try:
                 data = self._wal_path(gen).read_bytes()
@@ -203,10 +202,9 @@ class Journal:
                 next_seq = max(next_seq, op.seq + 1)
             wal_bytes += used
             if used != len(data):
-                torn = True
-                self._truncate_at = (gen, used)
+                torn = True            # later entries (and generations) are not trusted
                 break
-        self.gen = max([wal_from, *gens]) + 1 if gens or wal_from else 0
+        self.gen = max([wal_from, *gens]) + 1   # the writer continues in a new generation after a checkpoint
         return Recovered(rows, next_seq, wal_bytes, torn, checkpoint_ok)
 
     # -- writing --------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -30,7 +30,7 @@ import torch
 import xxhash
 
 from kvflow.chunks.keys import KINDS, ChunkKey, prefix_hashes
-from kvflow.chunks.record import HEADER_SIZE, decode, encode_into, parse_header, record_size
+from kvflow.chunks.record import DTYPE_CODES, HEADER_SIZE, decode, encode_into, parse_header, record_size
 from kvflow.config import _parse_size
 from kvflow.errors import ConfigError, KVFlowError, RecordError
 from kvflow.pool.allocator import ExtentAllocator, round_up
@@ -242,6 +242,11 @@ class KVPool:
         if self.readonly:
             raise KVFlowError("this pool is open read-only")
         dtype = dtype or self.dtype
+        if dtype not in DTYPE_CODES:
+            raise RecordError(f"unsupported storage dtype {dtype} (float32, bfloat16, float16)")
+        for key, tensor in items.items():
+            if tensor.dim() > 6:
+                raise RecordError(f"record {key.hex}: a tensor of {tensor.dim()} dims (records hold at most 6)")
         plan, dels = [], []
         with self._lock:
             self._check_open()
@@ -260,13 +265,16 @@ class KVPool:
                 self._next_seq += 1
             self._log(dels)          # before any freed extent is overwritten below
         futures = [(p, self._slots[p[2]].io.submit(self._write_one, *p, dtype)) for p in plan]
-        done, failed = [], []
+        done, failed, unexpected = [], [], None
         for p, fut in futures:
             try:
                 done.append((p, fut.result()))
-            except (OSError, RecordError) as err:
+            except OSError as err:
                 failed.append(p)
                 self._io_error(p[2], err, "write")
+            except Exception as err:     # a bug: free its extent like a failed write, then raise it
+                failed.append(p)
+                unexpected = err
         if self.cfg.durability == "strict":
             for i in {p[2] for p, _ in done}:
                 self._slots[i].device.sync()
@@ -291,6 +299,8 @@ class KVPool:
             self._counters["put_errors"] += len(failed)
         if self.cfg.durability == "strict" and self._journal is not None and ops:
             self._journal.sync()
+        if unexpected is not None:
+            raise unexpected
         return len(done)
 
     def get_many(self, keys: Iterable[ChunkKey]) -> dict[ChunkKey, torch.Tensor | None]:
@@ -310,32 +320,17 @@ class KVPool:
                 plan.append((key, entry))
         futures = [(key, entry, self._slots[entry.dev].io.submit(self._read_one, key, entry)) for key, entry in plan]
         bad = []
-        for key, entry, fut in futures:
-            try:
-                out[key] = fut.result()
-            except RecordError as err:
-                bad.append((key, entry, err))
-            except OSError as err:
-                self._io_error(entry.dev, err, "read")
-        with self._lock:
-            for key, entry in plan:
-                entry.pins -= 1
-                self._release(entry)
-                if out[key] is not None:
-                    c = self._slots[entry.dev].counters
-                    c["reads"] += 1
-                    c["read_bytes"] += entry.length
-            dels = []
-            for key, entry, err in bad:   # a reader beside a writer sees records it evicted: routine, not alarming
-                log.log(logging.INFO if self.readonly else logging.WARNING, "pool: dropping record %s on %s: %s",
-                        key.hex, self._slots[entry.dev].device.name, err)
-                self._slots[entry.dev].counters["corrupt"] += 1
-                self._counters["corrupt"] += 1
-                self._drop(key.digest, entry, dels)
-            self._log(dels)
-            hits = sum(v is not None for v in out.values())
-            self._counters["hits"] += hits
-            self._counters["misses"] += len(out) - hits
+        try:
+            for key, entry, fut in futures:
+                try:
+                    out[key] = fut.result()
+                except RecordError as err:
+                    bad.append((key, entry, err))
+                except OSError as err:
+                    self._io_error(entry.dev, err, "read")
+        finally:
+            wait([f for *_, f in futures])      # no extent is unpinned while a worker may still read it
+            self._finish_reads(plan, bad, out)
         return out
 
     def contains(self, keys: Iterable[ChunkKey]) -> list[bool]:
@@ -489,6 +484,28 @@ class KVPool:
     def _check_open(self) -> None:
         if self._closed:
             raise KVFlowError("this pool is closed")
+
+    def _finish_reads(self, plan, bad, out) -> None:
+        """Unpin what get_many pinned (even if it raised), drop the bad records, count."""
+        with self._lock:
+            for key, entry in plan:
+                entry.pins -= 1
+                self._release(entry)
+                if out[key] is not None:
+                    c = self._slots[entry.dev].counters
+                    c["reads"] += 1
+                    c["read_bytes"] += entry.length
+            dels = []
+            for key, entry, err in bad:   # a reader beside a writer sees records it evicted: routine, not alarming
+                log.log(logging.INFO if self.readonly else logging.WARNING, "pool: dropping record %s on %s: %s",
+                        key.hex, self._slots[entry.dev].device.name, err)
+                self._slots[entry.dev].counters["corrupt"] += 1
+                self._counters["corrupt"] += 1
+                self._drop(key.digest, entry, dels)
+            self._log(dels)
+            hits = sum(v is not None for v in out.values())
+            self._counters["hits"] += hits
+            self._counters["misses"] += len(out) - hits
 
     def _place(self, length: int, dels: list) -> tuple[int, int] | None:
         """Lock held. Device and offset for a new record: the striper's choice if it is below its high watermark,
