@@ -81,7 +81,7 @@ def test_stat_of_a_pool_never_created_says_how_to_create_it(tmp_path, config, ca
 def test_bench_parts_produce_ratios_tables_and_a_figure(tmp_path):
     mib = 1 << 20
     results = {
-        "striping": pool_bench.striping(64 * mib, (2, 1, 1), 6 * mib, 256 * 1024, 1, lambda s: None),
+        "striping": pool_bench.striping(64 * mib, (4, 1, 1), 6 * mib, 256 * 1024, 1, lambda s: None),
         "passthrough": pool_bench.passthrough(str(tmp_path), 4 * mib, 64 * 1024, 1, lambda s: None,
                                               global_drop=False),     # never drop the whole machine's cache
         "lookup": pool_bench.lookup(1024, 4096, 2, [None, 1e9], lambda s: None),
