@@ -87,3 +87,36 @@ def test_placement_policy_is_a_config_value(placement, expect):
     with bandwidth_pool([1, 1, 2, 4], placement=placement) as pool:
         pool.put_many({k: tensor_for(k) for k in context_keys(32)})
         assert [d["records"] for d in pool.stats()["devices"]] == expect
+
+
+@settings(max_examples=60, deadline=None)
+@given(weights=st.lists(st.integers(1, 4), min_size=2, max_size=4), layers=st.integers(1, 12),
+       chunks=st.integers(4, 40))
+def test_records_spread_over_devices_along_layers_and_along_chunks(weights, layers, chunks):
+    """Records put chunk by chunk, one per layer (the restorer's layout): the chunks of any one layer — what a
+    layer-by-layer load reads — split by p_i like any run; so does the whole set."""
+    s = Striper(weights)
+    dev = {}
+    for i in range(chunks):
+        for layer in range(layers):
+            dev[i, layer] = d = s.order(100, lane=layer)[0]
+            s.charge(d, 100, lane=layer)
+    p = [w / sum(weights) for w in weights]
+    for layer in range(layers):
+        for k in range(len(weights)):
+            got = sum(dev[i, layer] == k for i in range(chunks))
+            assert abs(got - p[k] * chunks) <= 2, (layer, k, got)
+
+
+def test_equal_devices_form_a_latin_square():
+    s = Striper([1, 1])
+    rows = []
+    for i in range(6):
+        row = []
+        for layer in range(4):
+            d = s.order(10, lane=layer)[0]
+            s.charge(d, 10, lane=layer)
+            row.append(d)
+        rows.append(row)
+    assert all(sorted(r) == [0, 0, 1, 1] for r in rows), rows        # each chunk's 4 layers: 2 and 2
+    assert all(rows[i][j] != rows[i + 1][j] for i in range(5) for j in range(4)), rows   # each layer alternates

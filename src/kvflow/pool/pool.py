@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch
-import xxhash
 
-from kvflow.chunks.keys import KINDS, ChunkKey, prefix_hashes
+from kvflow.chunks.keys import ChunkKey, layer_tail, prefix_hashes, record_digest
 from kvflow.chunks.record import DTYPE_CODES, HEADER_SIZE, decode, encode_into, parse_header, record_size
 from kvflow.config import _parse_size
 from kvflow.errors import ConfigError, KVFlowError, RecordError
@@ -257,7 +256,7 @@ class KVPool:
                     self._counters["put_skipped"] += 1
                     continue
                 length = record_size(tensor.shape, dtype)
-                where = self._place(length, dels)
+                where = self._place(length, dels, lane=key.layers[0])
                 if where is None:
                     self._counters["put_dropped"] += 1
                     continue
@@ -345,12 +344,11 @@ class KVPool:
             raise ValueError("longest_prefix needs the layer groups every chunk must have")
         t0 = time.perf_counter()
         n, table, slots = 0, self._table, self._slots
-        # Hot path (512 chunks x dozens of groups at 128K tokens): record_key's digest without building ChunkKeys;
-        # tests/pool/test_pool_api.py pins it to record_key.
-        tails = [bytes([KINDS[kind]]) + lo.to_bytes(2, "little") + hi.to_bytes(2, "little") for lo, hi in layer_groups]
+        # Hot path (512 chunks x dozens of groups at 128K tokens): record digests without building ChunkKeys.
+        tails = [layer_tail(g, kind) for g in layer_groups]
         for i, h in enumerate(prefix_hashes(token_ids, fingerprint, self.chunk_tokens)):   # dict reads: no lock
             for tail in tails:
-                e = table.get(xxhash.xxh3_128_digest(h + tail))
+                e = table.get(record_digest(h, tail))
                 if e is None or not slots[e.dev].healthy:
                     break
             else:
@@ -507,15 +505,15 @@ class KVPool:
             self._counters["hits"] += hits
             self._counters["misses"] += len(out) - hits
 
-    def _place(self, length: int, dels: list) -> tuple[int, int] | None:
+    def _place(self, length: int, dels: list, lane: int = 0) -> tuple[int, int] | None:
         """Lock held. Device and offset for a new record: the striper's choice if it is below its high watermark,
         else the next device with room (capacity-aware spill); only when all are full, evict on the first choice."""
-        order = self._placement.order(length)
+        order = self._placement.order(length, lane)
         for i in order:
             a = self._slots[i].alloc
             need = round_up(length, a.align)
             if a.used_bytes + need <= self.cfg.high_watermark * a.capacity and (off := a.alloc(length)) is not None:
-                self._placement.charge(i, length)
+                self._placement.charge(i, length, lane)
                 return i, off
         for i in order:
             need = round_up(length, self._slots[i].alloc.align)
@@ -523,7 +521,7 @@ class KVPool:
                 continue
             self._evict(i, need, dels)
             if (off := self._slots[i].alloc.alloc(length)) is not None:
-                self._placement.charge(i, length)
+                self._placement.charge(i, length, lane)
                 return i, off
         return None
 

@@ -9,6 +9,11 @@ credit persists across puts, so a context stored one chunk per call is striped j
     p = (1, 1, 2, 4) / 8:   records  0 1 2 3 4 5 6 7 8 ...
                             device   3 2 3 1 3 2 3 0 3 ...
 
+Records are striped per *lane* — the layer a record holds — each lane with its own credit, lane j starting j
+unit steps into the sequence. So a context's records are spread along both axes at once: the chunks of any one
+layer (what a layer-by-layer load reads) and the layers of any one chunk (what a chunk-by-chunk load reads)
+each cover the devices by p_i. With equal devices this is a Latin square, device = (chunk + layer) mod D.
+
 ``equal`` is the same with equal weights; ``overflow`` fills one device at a time (LMCache's tiering order).
 """
 
@@ -23,21 +28,35 @@ class Striper:
         total = sum(weights)
         assert total > 0, "no device can take records"
         self.p = [w / total for w in weights]
-        self.credit = [0.0] * len(weights)
+        self.lanes: dict[int, list[float]] = {}
 
-    def order(self, nbytes: int) -> list[int]:
-        """Devices by preference for the next record (devices with p_i = 0 are not offered)."""
-        score = [c + p * nbytes for c, p in zip(self.credit, self.p)]
+    def _credit(self, lane: int) -> list[float]:
+        credit = self.lanes.get(lane)
+        if credit is None:  # a new lane starts ``lane`` unit steps into the sequence
+            credit = self.lanes[lane] = [0.0] * len(self.p)
+            for _ in range(lane % max(1, 4 * len(self.p))):
+                self._step(credit, self._order(credit, 1.0)[0], 1.0)
+        return credit
+
+    def _order(self, credit: list[float], nbytes: float) -> list[int]:
+        score = [c + p * nbytes for c, p in zip(credit, self.p)]
         return sorted((i for i, p in enumerate(self.p) if p > 0), key=lambda i: (-score[i], -self.p[i], i))
 
-    def charge(self, dev: int, nbytes: int) -> None:
+    def _step(self, credit: list[float], dev: int, nbytes: float) -> None:
         for i, p in enumerate(self.p):
-            self.credit[i] += p * nbytes
-        self.credit[dev] -= nbytes
+            credit[i] += p * nbytes
+        credit[dev] -= nbytes
+
+    def order(self, nbytes: int, lane: int = 0) -> list[int]:
+        """Devices by preference for the next record of ``lane`` (devices with p_i = 0 are not offered)."""
+        return self._order(self._credit(lane), nbytes)
+
+    def charge(self, dev: int, nbytes: int, lane: int = 0) -> None:
+        self._step(self._credit(lane), dev, nbytes)
 
 
 class Overflow(Striper):
-    def order(self, nbytes: int) -> list[int]:
+    def order(self, nbytes: int, lane: int = 0) -> list[int]:
         return [i for i, p in enumerate(self.p) if p > 0]
 
 
