@@ -17,7 +17,6 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch

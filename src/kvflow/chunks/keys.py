@@ -57,11 +57,20 @@ def prefix_hashes(token_ids, fingerprint: str, chunk_tokens: int) -> list[bytes]
     return out
 
 
+def layer_tail(layers: tuple[int, int], kind: str = "kv") -> bytes:
+    """What a record key adds to its chunk's prefix hash: kind and layer range."""
+    return bytes([KINDS[kind]]) + layers[0].to_bytes(2, "little") + layers[1].to_bytes(2, "little")
+
+
+def record_digest(prefix_hash: bytes, tail: bytes) -> bytes:
+    """The pool's index key. Hot path for prefix lookups: takes a precomputed :func:`layer_tail`."""
+    return xxhash.xxh3_128_digest(prefix_hash + tail)
+
+
 def record_key(prefix_hash: bytes, fingerprint: str, index: int, chunk_tokens: int,
                layers: tuple[int, int], kind: str = "kv") -> ChunkKey:
-    digest = xxhash.xxh3_128(prefix_hash + bytes([KINDS[kind]]) + layers[0].to_bytes(2, "little")
-                             + layers[1].to_bytes(2, "little")).digest()
-    return ChunkKey(digest, fingerprint, (index * chunk_tokens, (index + 1) * chunk_tokens), layers, kind)
+    return ChunkKey(record_digest(prefix_hash, layer_tail(layers, kind)), fingerprint,
+                    (index * chunk_tokens, (index + 1) * chunk_tokens), layers, kind)
 
 
 def chunk_keys(token_ids, fingerprint: str, chunk_tokens: int, layer_groups: list[tuple[int, int]],

@@ -36,7 +36,8 @@ def _register() -> None:
 def main(argv: list[str] | None = None) -> int:
     _register()
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)  # non-standalone click returns typer.Exit's code
+        return rc if isinstance(rc, int) else 0
     except KVFlowError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -54,7 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

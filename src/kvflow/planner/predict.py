@@ -44,7 +44,7 @@ def query_time(cost: CostModel, plan: Plan) -> tuple[float, float]:
 
 def predict(plan: Plan, cost: CostModel, io: IOModel) -> Prediction:
     """Simulate the compute thread and the I/O thread running ``plan`` (see executor for the real thing)."""
-    L, C = plan.num_layers, plan.chunk_tokens
+    L = plan.num_layers
     if plan.dynamic_meet:
         restore, tc, tio, _ = simulate_meet(plan, cost, io)
         ready = [restore] * L
