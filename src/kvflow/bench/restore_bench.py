@@ -9,11 +9,9 @@ hits every strategy alike.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -317,22 +315,17 @@ def plot_batch(results: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_json(data, path: Path) -> None:
-    def clean(o):
-        if isinstance(o, dict):
-            return {k: clean(v) for k, v in o.items() if not str(k).startswith("_")}
-        if isinstance(o, (list, tuple)):
-            return [clean(v) for v in o]
-        if isinstance(o, float) and not math.isfinite(o):
-            return None
-        return o
-    path.write_text(json.dumps(clean(data), indent=2))
-
-
-def now_tag() -> str:
-    return time.strftime("%Y%m%d-%H%M%S")
+def jsonable(data):
+    """Results without private fields (``_result``) and with non-finite floats as null."""
+    if isinstance(data, dict):
+        return {k: jsonable(v) for k, v in data.items() if not str(k).startswith("_")}
+    if isinstance(data, (list, tuple)):
+        return [jsonable(v) for v in data]
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    return data
 
 
 __all__ = ["BASELINES", "STRATEGIES", "Bench", "make_bench", "measure", "sweep_rho", "sweep_length", "crossover",
-           "speedups", "measure_batch", "batch_lengths", "plot_rho", "plot_lengths", "plot_batch", "write_json",
-           "public", "rho_bandwidth", "now_tag"]
+           "speedups", "measure_batch", "batch_lengths", "plot_rho", "plot_lengths", "plot_batch", "jsonable",
+           "public", "rho_bandwidth"]

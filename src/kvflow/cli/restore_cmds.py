@@ -51,13 +51,6 @@ def ensure_cost(runner, max_position: int):
     return cost
 
 
-def out_dir(out: Optional[Path], name: str) -> Path:
-    from kvflow.bench.restore_bench import now_tag
-    path = out or Path("runs") / f"{name}-{now_tag()}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def status(message: str) -> None:
     err_console.print(f"[dim]… {message}[/dim]")
 
@@ -87,7 +80,8 @@ def demo(
     as_json: bool = typer.Option(False, "--json", help="print the results as JSON"),
 ) -> None:
     """Store a long context, restore it with every strategy at rho, compare with a fresh full prefill."""
-    from kvflow.bench.restore_bench import make_bench, measure, public, rho_bandwidth, write_json
+    from kvflow.bench.common import out_dir, write_json
+    from kvflow.bench.restore_bench import make_bench, measure, public, rho_bandwidth
     from kvflow.executor import plot_timeline
     from kvflow.model import load_model
     from kvflow.planner import STRATEGIES
@@ -101,14 +95,14 @@ def demo(
         rows = measure(bench, "memory", context_len, STRATEGIES, 1, status, "demo")
     finally:
         bench.close()
-    folder = out_dir(out, "demo")
+    folder = out_dir("demo", out)
     png = folder / "timeline.png"
     chosen = rows["cacheflow"]
     plot_timeline(chosen["_result"].timeline, png, f"cacheflow restoring {context_len} tokens of {model} at "
                   f"rho={rho:g}: {chosen['plan']}", bench.chunk_tokens)
     data = public(rows)
-    write_json({"model": model, "context": context_len, "query": query_len, "rho": rho, "results": data},
-               folder / "demo.json")
+    write_json(folder / "demo.json", {"model": model, "context": context_len, "query": query_len, "rho": rho,
+                                      "results": data})
     if as_json:
         print(json.dumps(data, indent=2))
         return
@@ -133,6 +127,7 @@ def bench_restore(
 ) -> None:
     """TTFT of every strategy vs rho and context length (+ batches); ratios measured side by side."""
     from kvflow.bench import restore_bench as rb
+    from kvflow.bench.common import out_dir, write_json
     from kvflow.model import load_model
     from kvflow.planner import STRATEGIES
 
@@ -141,7 +136,7 @@ def bench_restore(
     rho_list = parse_list(rhos, float, "--rho")
     len_list = [int(x) for x in parse_list(lengths, int, "--lengths")]
     batch_sizes = [int(x) for x in parse_list(batch, int, "--batch")] if batch else []
-    folder = out_dir(out, "bench-restore")
+    folder = out_dir("bench-restore", out)
     status(f"building {model}")
     runner = load_model(model)
     longest = max([context_len, *len_list] + ([8192] if batch_sizes else []))
@@ -156,9 +151,9 @@ def bench_restore(
         finally:
             bench.close()
         rb.plot_batch(result["batches"], folder / "batch.png", f"{model}, rho=1: batch-aware vs FCFS")
-        rb.write_json(result, folder / "restore-batch.json")
+        write_json(folder / "restore-batch.json", rb.jsonable(result))
         if as_json:
-            rb.write_json(result, Path("/dev/stdout"))
+            print(json.dumps(rb.jsonable(result), indent=2))
             return
         _print_batches(result["batches"])
         console.print(f"JSON + PNG in {folder}")
@@ -187,9 +182,9 @@ def bench_restore(
     result["acceptance"] = _acceptance(result, one)
     for point in result["rho_sweep"] + result["length_sweep"]:
         point["rows"] = rb.public(point["rows"])
-    rb.write_json(result, folder / "restore.json")
+    write_json(folder / "restore.json", rb.jsonable(result))
     if as_json:
-        rb.write_json(result, Path("/dev/stdout"))
+        print(json.dumps(rb.jsonable(result), indent=2))
         return
     for point in result["rho_sweep"]:
         console.print(strategy_table(f"{model}, {point['context']} tokens, {point['pool']}, rho={point['rho']:.3g}",
