@@ -2,11 +2,14 @@
 
     r = Restorer(runner, KVPool.memory())
     r.store(context_ids)                                   # prefill once, one record per (chunk, layer)
+    r.store(context_ids, boundaries=[8])                   # + hidden states entering layer 8 (pipeline stages)
     out = r.restore(context_ids, query_ids, strategy="cacheflow")
     out.logits, out.kv, out.plan, out.timings, out.timeline
 
 Data flows one way: prefix lookup -> plan -> (compute || I/O) -> assembled KV -> tail + query -> logits.
 Each record holds one chunk of one layer, so any token x layer split loads exactly the cells it needs.
+A boundary activation record (kind "act", layers (b, b)) holds one chunk's hidden states entering layer b, always
+fp32: a pipeline stage starting at b recomputes its KV from it exactly (docs/PIPELINE.md).
 """
 
 from __future__ import annotations
@@ -33,8 +36,12 @@ log = logging.getLogger("kvflow.restore")
 class StoreResult:
     tokens: int            # tokens now stored (full chunks)
     chunks_written: int
-    bytes_written: int
+    bytes_written: int     # KV records
     seconds: float
+    act_bytes_written: int = 0   # boundary activation records
+
+
+ACT_DTYPE = torch.float32   # boundary activations: recomputing from a rounded activation would not be exact
 
 
 @dataclass
@@ -89,24 +96,53 @@ class Restorer:
     def keys(self, token_ids: torch.Tensor) -> list[list[ChunkKey]]:
         return chunk_keys(token_ids, self.runner.fingerprint, self.chunk_tokens, self.groups)
 
-    def store(self, context_ids) -> StoreResult:
-        """Prefill the context once and store every full chunk's KV (one record per chunk x layer).
-        Chunks already in the pool are not written again."""
+    def act_keys(self, token_ids: torch.Tensor, boundary: int) -> list[ChunkKey]:
+        """Keys of the boundary activation records (hidden states entering layer ``boundary``), one per full chunk."""
+        return [row[0] for row in chunk_keys(token_ids, self.runner.fingerprint, self.chunk_tokens,
+                                             [(boundary, boundary)], kind="act")]
+
+    def store(self, context_ids, boundaries=()) -> StoreResult:
+        """Prefill the context once and store every full chunk's KV (one record per chunk x layer), and with
+        ``boundaries`` (layers 0 < b < num_layers: where pipeline stages start) the hidden states entering each
+        boundary layer, one fp32 record per chunk. Records already in the pool are not written again."""
         ids = as_ids(context_ids)
+        boundaries = sorted(set(int(b) for b in boundaries))
+        if any(not 0 < b < self.runner.num_layers for b in boundaries):
+            raise KVFlowError(f"stage boundaries must be layers 1..{self.runner.num_layers - 1}, got {boundaries}")
         t0 = time.perf_counter()
         keys = self.keys(ids)
         flat = [k for row in keys for k in row]
-        present = self.pool.contains(flat)
+        acts = [k for b in boundaries for k in self.act_keys(ids, b)]
+        present = self.pool.contains(flat + acts)
         missing = [k for k, ok in zip(flat, present) if not ok]
-        written = 0
-        if missing:
+        missing_acts = [k for k, ok in zip(acts, present[len(flat):]) if not ok]
+        written = act_written = 0
+        if missing or missing_acts:
             n = len(keys) * self.chunk_tokens
-            cache = self.runner.prefill(ids[:n], chunk=self.planner_config.max_step).cache
+            cache, hidden = self._prefill_capturing(ids[:n], boundaries)
             items = {k: cache.read_block(k.tokens, k.layers) for k in missing}
             self.pool.put_many(items, **({"dtype": self._dtype()} if self.storage_dtype else {}))
             written = sum(HEADER_SIZE + t.numel() * self._dtype().itemsize for t in items.values())
-        return StoreResult(len(keys) * self.chunk_tokens, len({k.tokens for k in missing}), written,
-                           time.perf_counter() - t0)
+            act_items = {k: hidden[k.layers[0]][:, k.tokens[0]:k.tokens[1]] for k in missing_acts}
+            self.pool.put_many(act_items, dtype=ACT_DTYPE)
+            act_written = sum(HEADER_SIZE + t.numel() * ACT_DTYPE.itemsize for t in act_items.values())
+        return StoreResult(len(keys) * self.chunk_tokens, len({k.tokens for k in missing + missing_acts}), written,
+                           time.perf_counter() - t0, act_written)
+
+    def _prefill_capturing(self, ids: torch.Tensor, boundaries: list[int]):
+        """Chunked prefill of ``ids`` that also keeps the hidden states entering each boundary layer."""
+        runner, n = self.runner, ids.numel()
+        cache = runner.new_cache(n)
+        edges = [0, *boundaries, runner.num_layers]
+        hidden = {b: torch.empty(1, n, runner.hidden_size, dtype=ACT_DTYPE) for b in boundaries}
+        step = self.planner_config.max_step
+        for a in range(0, n, step):
+            h = runner.embed(ids[a:a + step])
+            for l0, l1 in zip(edges, edges[1:]):
+                if l0 in hidden:
+                    hidden[l0][:, a:a + h.shape[1]] = h
+                h = runner.run_layers(cache, h, a, (l0, l1))
+        return cache, hidden
 
     def _dtype(self) -> torch.dtype:
         from kvflow.model.runner import parse_dtype

@@ -11,6 +11,12 @@ order of work on each side comes with the plan(s).
 
 A cell that fails to load (missing, evicted, corrupt — the pool returns None) is never served: its chunk is
 recomputed, in chunk order, once every earlier chunk of that request is complete, so the cache stays exact.
+
+A job with a ``StageLink`` is one pipeline stage: its plan covers model layers [offset, offset + n), its compute
+steps take their input hidden states from the link (stored boundary activations, the previous stage) instead of
+the embeddings, full-stage outputs go to the link, and the executor restores the grid only — the tail + query
+pass through the pipeline belongs to the caller (kvflow.pipeline). Inputs that never come stop the compute side;
+its chunks are left to I/O, and a chunk that neither side can fill is reported (``complete_chunks``), never faked.
 """
 
 from __future__ import annotations
@@ -27,22 +33,41 @@ from kvflow.model.runner import KVCache, ModelRunner
 from kvflow.planner.plan import ComputeStep, LoadStep, Plan
 
 
+class StageLink:
+    """Where a pipeline stage's hidden states come from and go to (the executor calls these on its compute thread).
+    Subclasses implement ``inputs``; the others are optional."""
+
+    def inputs(self, a: int, b: int) -> torch.Tensor | None:
+        """Hidden states entering the stage's first layer for tokens [a, a + t), 0 < t <= b - a; may wait for them.
+        A shorter answer (or None) means nothing beyond it will come: the compute side stops there."""
+        raise NotImplementedError
+
+    def output(self, a: int, hidden: torch.Tensor) -> None:
+        """Hidden states leaving the stage's last layer for tokens [a, a + T) (grid steps through every layer)."""
+
+    def grid_computed(self) -> None:
+        """The compute side will run no more grid steps for this job."""
+
+
 @dataclass
 class Job:
-    """One request to run: its plan, its record keys ``keys[i][layer]``, and context + query token ids."""
+    """One request to run: its plan, its record keys ``keys[i][plan layer]``, and context + query token ids.
+    With ``link`` the job is a pipeline stage (see StageLink): grid only, no query."""
     plan: Plan
     keys: list[list[ChunkKey]]
     token_ids: torch.Tensor
     cache: KVCache | None = None
+    link: StageLink | None = None
 
 
 @dataclass
 class Execution:
     cache: KVCache
-    logits: torch.Tensor
+    logits: torch.Tensor | None           # None for a pipeline stage (its caller runs the query)
     timeline: list[Event]
     timings: Timings
     fallback_chunks: list[int] = field(default_factory=list)
+    complete_chunks: int | None = None    # grid chunks [0, n) filled; < num_chunks only when a stage lacked inputs
 
 
 class _Board:
@@ -56,7 +81,12 @@ class _Board:
                 self.pending[layer] += step.chunks[1] - step.chunks[0]
         self.in_flight = 0                             # dynamic: chunks claimed by I/O, not yet written
         self.compute_left = 0                          # compute-order items not yet run or skipped
-        self.failed: dict[int, int] = {}               # chunk -> lowest failed layer
+        self.compute_stopped = False                   # inputs ran out / the meet guard ended the compute side
+        self.compute_actual = self.compute_predicted = 0.0   # meet guard: measured vs predicted compute seconds
+        self.io_chunk_s = 0.0                          # meet guard: last chunk load's duration
+        self.io_started = None                         # meet guard: when the load in flight began
+        self.told_link = False
+        self.failed: dict[int, int] = {}               # chunk -> lowest failed (plan) layer
         self.compute_busy = 0.0
         self.grid_compute_end = 0.0
         self.blocked = 0.0
@@ -84,18 +114,22 @@ class Executor:
         self.runner, self.pool = runner, pool
 
     def run(self, plan: Plan, keys: list[list[ChunkKey]], token_ids: torch.Tensor,
-            cache: KVCache | None = None) -> Execution:
+            cache: KVCache | None = None, link: StageLink | None = None, origin: float | None = None) -> Execution:
         """One request: its plan's own compute and load orders."""
-        job = Job(plan, keys, token_ids, cache)
-        return self.run_batch([job], [(0, s) for s in plan.compute], [(0, s) for s in plan.loads], [0])[0]
+        job = Job(plan, keys, token_ids, cache, link)
+        return self.run_batch([job], [(0, s) for s in plan.compute], [(0, s) for s in plan.loads], [0], origin)[0]
 
     def run_batch(self, jobs: list[Job], compute_order: list[tuple[int, ComputeStep]],
-                  io_order: list[tuple[int, LoadStep]], query_order: list[int]) -> list[Execution]:
+                  io_order: list[tuple[int, LoadStep]], query_order: list[int],
+                  origin: float | None = None) -> list[Execution]:
         """Run every job's grid with the two global orders; each request's tail + query runs on the compute
-        thread as soon as its grid is whole (``query_order`` breaks ties). Timings are from the batch start."""
+        thread as soon as its grid is whole (``query_order`` breaks ties). Timings are from the batch start, or
+        from ``origin`` (a ``time.perf_counter()`` value; a pipeline's stages share one)."""
         for job in jobs:
             assert job.token_ids.numel() == job.plan.context_len + job.plan.query_len
             assert len(job.keys) >= job.plan.num_chunks
+            assert job.link is not None or job.plan.layer_offset == 0, "a layer range needs a StageLink for inputs"
+            assert job.plan.layer_offset + job.plan.num_layers <= self.runner.num_layers
             job.cache = job.cache or self.runner.new_cache(job.plan.context_len + job.plan.query_len)
         boards = [_Board(job.plan) for job in jobs]
         for r, _ in compute_order:
@@ -104,7 +138,7 @@ class Executor:
         io_events: list[tuple[int, Event]] = []
         io_error: list[BaseException] = []
         io_done = threading.Event()
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if origin is None else origin
         clock = lambda: time.perf_counter() - t0  # noqa: E731
 
         io = threading.Thread(target=self._io_loop, name="kvflow-io", daemon=True,
@@ -136,27 +170,16 @@ class Executor:
                 remaining.remove(ready)
                 results[ready] = self._finish(jobs[ready], boards[ready], cond, io_done, io_error, clock)
 
+        def tell_link(r: int) -> None:
+            if jobs[r].link is not None and boards[r].compute_left == 0 and not boards[r].told_link:
+                boards[r].told_link = True
+                jobs[r].link.grid_computed()
+
+        for r in range(len(jobs)):
+            tell_link(r)
         for r, step in compute_order:
-            job, board = jobs[r], boards[r]
-            (a, b), layers = step.tokens, step.layers
-            with cond:
-                board.compute_left -= 1
-                if job.plan.dynamic_meet:
-                    C = job.plan.chunk_tokens
-                    assert a // C == board.lo or board.lo >= board.hi, "dynamic compute steps must be contiguous"
-                    b = min(b, board.hi * C)
-                    if b <= a:
-                        cond.notify_all()
-                        continue           # the I/O side got here first
-                    board.lo = b // C
-            start = clock()
-            self.runner.run_layers(job.cache, self.runner.embed(job.token_ids[a:b]), a, layers)
-            end = clock()
-            board.compute_busy += end - start
-            board.grid_compute_end = end
-            board.events.append(Event("compute", (a, b), layers, start, end))
-            with cond:
-                cond.notify_all()
+            self._compute(jobs[r], boards[r], step, cond, clock)
+            tell_link(r)
             serve_ready(wait=False)
         serve_ready(wait=True)
         io.join()
@@ -172,15 +195,108 @@ class Executor:
             out.append(ex)
         return out
 
+    def _compute(self, job: Job, board: _Board, step: ComputeStep, cond, clock) -> None:
+        """One grid compute step on the calling thread. Dynamic meet: clipped at the I/O pointer and claimed
+        before it runs — for a stage only once its inputs are in hand, so a wait never strands claimed chunks."""
+        plan, C = job.plan, job.plan.chunk_tokens
+        (a, b), layers = step.tokens, step.layers
+        last = False                                 # the meet guard shortened this step: the compute side's last
+        with cond:
+            board.compute_left -= 1
+            if plan.dynamic_meet:
+                assert a // C == board.lo or board.lo >= board.hi or board.compute_stopped, \
+                    "dynamic compute steps must be contiguous"
+                b, last = self._guard(plan, board, a, min(b, board.hi * C), clock)
+            if board.compute_stopped or b <= a:      # inputs ran out / the I/O side got here first
+                if board.compute_stopped and not plan.dynamic_meet:
+                    self._fail_chunks(board, a // C, b // C, layers[0])
+                board.compute_stopped = board.compute_stopped or last
+                cond.notify_all()
+                return
+            if job.link is None and plan.dynamic_meet:
+                board.lo = b // C
+        if job.link is None:
+            hidden = self.runner.embed(job.token_ids[a:b])
+        else:
+            hidden = self._stage_inputs(job, board, a, b, clock)
+            got = 0 if hidden is None else hidden.shape[1]
+            with cond:
+                if got < b - a:
+                    board.compute_stopped = True
+                    if not plan.dynamic_meet:
+                        self._fail_chunks(board, (a + got) // C, b // C, layers[0])
+                b = a + got
+                if plan.dynamic_meet:
+                    b, cut = self._guard(plan, board, a, min(b, board.hi * C), clock)
+                    last = last or cut
+                    if b > a:
+                        board.lo = b // C
+                if b <= a:
+                    board.compute_stopped = board.compute_stopped or last
+                    cond.notify_all()
+                    return
+            hidden = hidden[:, :b - a]
+        start = clock()
+        out = self.runner.run_layers(job.cache, hidden, a, self._model_layers(plan, layers))
+        end = clock()
+        board.compute_busy += end - start
+        board.grid_compute_end = end
+        board.events.append(Event("compute", (a, b), layers, start, end))
+        if plan.chunk_compute_s:
+            board.compute_actual += end - start
+            board.compute_predicted += sum(plan.chunk_compute_s[a // C:b // C])
+        if job.link is not None and layers == (0, plan.num_layers):
+            job.link.output(a, out)
+        with cond:
+            board.compute_stopped = board.compute_stopped or last
+            cond.notify_all()
+
+    @staticmethod
+    def _guard(plan: Plan, board: _Board, a: int, b: int, clock) -> tuple[int, bool]:
+        """Lock held. Dynamic meet with the plan's guard: shorten the step [a, b) while its last chunk would be
+        recomputed later than the I/O side could load it (after the chunks above it and the load in flight).
+        Predictions are scaled by the compute speed measured so far; the I/O side's pace is its last chunk load.
+        Until a load has landed the plan stands. Returns (end, shortened: the compute side's last step)."""
+        if not (plan.chunk_compute_s and plan.chunk_io_s and board.io_chunk_s) or b <= a:
+            return b, False
+        C, now = plan.chunk_tokens, clock()
+        speed = board.compute_actual / board.compute_predicted if board.compute_predicted else 1.0
+        io = board.io_chunk_s
+        in_flight = max(0.0, io - (now - board.io_started)) if board.io_started is not None else 0.0
+        c0, c1 = a // C, b // C
+        end = c1
+        while end > c0 and speed * sum(plan.chunk_compute_s[c0:end]) > in_flight + io * (board.hi - end + 1):
+            end -= 1
+        return end * C, end < c1
+
+    @staticmethod
+    def _model_layers(plan: Plan, layers: tuple[int, int]) -> tuple[int, int]:
+        return layers[0] + plan.layer_offset, layers[1] + plan.layer_offset
+
+    @staticmethod
+    def _fail_chunks(board: _Board, c0: int, c1: int, layer: int) -> None:
+        """Lock held. Chunks whose cells from ``layer`` up will not be computed: the fallback must fill them."""
+        for i in range(c0, c1):
+            board.failed[i] = min(board.failed.get(i, layer), layer)
+
+    def _stage_inputs(self, job: Job, board: _Board, a: int, b: int, clock) -> torch.Tensor | None:
+        w0 = clock()
+        hidden = job.link.inputs(a, b)
+        w1 = clock()
+        if w1 - w0 > 1e-3:
+            board.blocked += w1 - w0
+            board.events.append(Event("wait", (a, b), (0, 0), w0, w1))
+        return hidden
+
     def _finish(self, job: Job, board: _Board, cond, io_done, io_error, clock) -> Execution:
         """Recompute failed chunks if any, run tail + query (layer by layer for a static pipelined plan,
         waiting only for each layer's cells), then the LM head."""
         plan, runner, L, C = job.plan, self.runner, job.plan.num_layers, job.plan.chunk_tokens
         s0, s1 = plan.suffix
         pieces = [(a, min(a + plan.step_tokens, s1)) for a in range(s0, s1, plan.step_tokens)]
-        hidden = {a: runner.embed(job.token_ids[a:b]) for a, b in pieces}
+        hidden = {a: runner.embed(job.token_ids[a:b]) for a, b in pieces} if job.link is None else {}
         first_layer = 0
-        if plan.pipelined_query and not plan.dynamic_meet:
+        if plan.pipelined_query and not plan.dynamic_meet and job.link is None:
             for layer in range(L):
                 w0 = clock()
                 with cond:
@@ -199,13 +315,27 @@ class Executor:
             raise io_error[0]
         restore_end = clock()
         fallback = sorted(board.failed)
+        complete = plan.num_chunks
         for i in fallback:  # earlier chunks are complete: recompute the whole chunk, in order
+            if job.link is None:
+                inputs = runner.embed(job.token_ids[i * C:(i + 1) * C])
+            else:
+                inputs = self._stage_inputs(job, board, i * C, (i + 1) * C, clock)
+                if inputs is None or inputs.shape[1] < C:
+                    complete = i       # no input for this chunk: the pipeline fills it from the previous stage
+                    break
             start = clock()
-            runner.run_layers(job.cache, runner.embed(job.token_ids[i * C:(i + 1) * C]), i * C, (0, L))
+            runner.run_layers(job.cache, inputs, i * C, self._model_layers(plan, (0, L)))
             end = clock()
             board.compute_busy += end - start
             board.events.append(Event("fallback", (i * C, (i + 1) * C), (0, L), start, end))
             restore_end = end
+        if job.link is not None:
+            timings = Timings(ttft_s=restore_end, restore_s=restore_end, grid_compute_end_s=board.grid_compute_end,
+                              compute_busy_s=board.compute_busy, io_busy_s=0.0, blocked_io_s=board.blocked,
+                              lower_bound_s=plan.lower_bound_s or 0.0,
+                              predicted_ttft_s=plan.predicted.ttft_s if plan.predicted else 0.0)
+            return Execution(job.cache, None, [], timings, fallback, complete)
         if first_layer < L:
             self._query(job, board, hidden, pieces, (first_layer, L), clock)
         start = clock()
@@ -216,13 +346,13 @@ class Executor:
                           compute_busy_s=board.compute_busy, io_busy_s=0.0, blocked_io_s=board.blocked,
                           lower_bound_s=plan.lower_bound_s or 0.0,
                           predicted_ttft_s=plan.predicted.ttft_s if plan.predicted else 0.0)
-        return Execution(job.cache, logits, [], timings, fallback)
+        return Execution(job.cache, logits, [], timings, fallback, complete)
 
     def _query(self, job: Job, board: _Board, hidden, pieces, layers, clock) -> None:
         """Tail + query through ``layers``, piece by piece (each piece sees the ones before it)."""
         start = clock()
         for a, _ in pieces:
-            hidden[a] = self.runner.run_layers(job.cache, hidden[a], a, layers)
+            hidden[a] = self.runner.run_layers(job.cache, hidden[a], a, self._model_layers(job.plan, layers))
         board.events.append(Event("query", (pieces[0][0], pieces[-1][1]), layers, start, clock()))
 
     def _io_loop(self, jobs, boards, io_order, cond, io_events, io_error, io_done, clock) -> None:
@@ -238,6 +368,7 @@ class Executor:
                         assert c1 == board.hi and c1 - c0 == 1, "dynamic loads must walk backward by one chunk"
                         board.hi = c0
                         board.in_flight += 1
+                        board.io_started = clock()
                 wanted = [job.keys[i][layer] for i in range(c0, c1) for layer in range(l0, l1)]
                 start = clock()
                 got = self.pool.get_many(wanted)
@@ -245,7 +376,7 @@ class Executor:
                 for key in wanted:  # hot path: one copy per record into the cache (dtype cast included)
                     tensor = got.get(key)
                     if tensor is None:
-                        i, layer = key.tokens[0] // C, key.layers[0]
+                        i, layer = key.tokens[0] // C, key.layers[0] - job.plan.layer_offset
                         failures[i] = min(failures.get(i, layer), layer)
                     else:
                         job.cache.write_block(tensor, key.tokens, key.layers)
@@ -256,6 +387,7 @@ class Executor:
                         board.failed[i] = min(board.failed.get(i, layer), layer)
                     if job.plan.dynamic_meet:
                         board.in_flight -= 1
+                        board.io_chunk_s, board.io_started = end - start, None
                     else:
                         for layer in range(l0, l1):
                             board.pending[layer] -= c1 - c0

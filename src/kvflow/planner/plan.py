@@ -16,8 +16,15 @@ two pointers, Cake) is ``(L,..,L,0,..,0)``; layer split is ``(cut,..,cut)``; rec
 load is all ``0``. The partial tail chunk (never stored) and the query are recomputed after the grid.
 
 With ``dynamic_meet`` the compute side walks forward and the I/O side walks backward chunk by chunk and the
-boundary moves at run time to wherever they meet (Cake's mechanism; ``split`` is then the prediction).
+boundary moves at run time to wherever they meet (Cake's mechanism; ``split`` is then the prediction). With
+``chunk_compute_s`` and ``chunk_io_s`` too (predicted seconds to recompute chunk i / to load one chunk), the compute
+side claims a step only while it would finish it before the I/O side could load it — the compute prediction scaled
+by the speed measured so far, the I/O side paced by its last load (a late chunk claimed by a compute side slower
+than planned is what the meet must avoid). ``chunk_io_s`` is the plan's prediction, for display and tests.
 With ``pipelined_query`` the query runs layer by layer, each layer waiting only for that layer's cells.
+
+A pipeline stage's plan covers only its own layers: layer indices in ``split`` and in the steps are relative to
+``layer_offset`` (model layer = layer_offset + plan layer), and ``num_layers`` is the stage's layer count.
 """
 
 from __future__ import annotations
@@ -60,6 +67,9 @@ class Plan:
     dynamic_meet: bool = False
     pipelined_query: bool = False
     step_tokens: int = 1024              # tail + query run in pieces of at most this many tokens
+    layer_offset: int = 0                # a pipeline stage: the plan's layer 0 is this layer of the model
+    chunk_compute_s: tuple[float, ...] = ()   # dynamic meet guard: predicted recompute seconds of each chunk ...
+    chunk_io_s: float = 0.0                   # ... and of loading one chunk (empty / 0: no guard)
     predicted: Prediction | None = None
     lower_bound_s: float | None = None
     notes: dict = field(default_factory=dict)
@@ -89,6 +99,8 @@ class Plan:
         n, L = self.num_chunks, self.num_layers
         if not n:
             return "nothing stored: recompute all"
+        if self.dynamic_meet and len(set(self.split)) == 1:
+            return f"token split, meet at run time (predicted: {'recompute' if self.split[0] else 'load'} all {n})"
         if all(s == L for s in self.split):
             return f"recompute {n} chunks"
         if all(s == 0 for s in self.split):

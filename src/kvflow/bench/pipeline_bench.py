@@ -1,0 +1,340 @@
+"""`kvflow bench pipeline`: pipeline-parallel restoration, independent (boundary activations) vs sequential (stage
+g waits for stage g-1's hidden states) vs one stage — same model, same pool, same stored context, one launch.
+
+Every stage is its own process with ONE torch thread (configurable), so on a 2-core machine 2 stages use both
+cores and 1 stage uses one: each stage is one "GPU". Each stage has its own link: its pool reader is throttled to
+rho x the KV bytes/s its own layers recompute at short context (1 thread); the 1-stage baseline's link follows
+the same rule with all layers, so every link has (almost exactly) the same speed, as every GPU has its own PCIe
+link. "Unthrottled" reads the shared-memory pool as fast as it goes.
+
+Runs are interleaved (configs rotate every repeat); medians are reported. The first run of every config is
+checked against one full prefill (KV of every layer + logits) and doubles as warm-up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvflow.chunks.record import HEADER_SIZE
+from kvflow.cost import CostModel, default_profile_path, profile, profiles_dir
+from kvflow.errors import KVFlowError
+from kvflow.model import load_model
+from kvflow.model.presets import PRESETS, build_config
+from kvflow.planner import PlannerConfig, Request
+from kvflow.planner.pipeline import PipelinePlanner, even_split, parse_split, stage_rate
+from kvflow.planner.predict import step_time
+
+Progress = Callable[[str], None]
+
+# Deep, narrow shapes the presets lack: what matters for pipeline restoration is the activation / stage-KV ratio
+# (hidden / (2 x kv_heads x head_dim x layers per stage)). tiny-deep: tiny's shape with 16 layers and 4 KV heads
+# -> 1/8 at 2 stages, the ratio of Llama-3.1-8B at 2 stages (4096 / (2 x 8 x 128 x 16)); 4-layer `tiny` has 1
+# at 2 stages (activations cost as much I/O as the stage's KV), no real model has that.
+BENCH_MODELS = {"tiny-deep": ("tiny", {"num_hidden_layers": 16, "num_key_value_heads": 4})}
+
+
+def resolve_model(name: str, seed: int) -> str:
+    """A name every stage process can load: presets as they are; a bench shape saved once as a checkpoint."""
+    if name not in BENCH_MODELS:
+        return name
+    base, overrides = BENCH_MODELS[name]
+    path = profiles_dir().parent / "models" / f"{name}-seed{seed}"
+    if not (path / "config.json").exists():
+        from transformers import AutoModelForCausalLM
+        config = build_config(PRESETS[base])
+        for k, v in overrides.items():
+            setattr(config, k, v)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(path)
+    return str(path)
+
+
+@dataclass
+class PipelineBenchConfig:
+    model: str = "tiny-deep"
+    seed: int = 0
+    stages: list[int] = field(default_factory=lambda: [1, 2])
+    context: int = 4096
+    query: int = 32
+    chunk_tokens: int = 256
+    rhos: list[float | None] = field(default_factory=lambda: [1.0, None])   # None: unthrottled
+    repeats: int = 5
+    threads: int = 1
+    split: str = "auto"                 # auto (planner-balanced at rho = 1) | even | sizes, e.g. 9,7
+    handoffs: list[str] = field(default_factory=lambda: ["stage", "step"])
+    timeout_s: float = 900.0
+
+
+def cost_model(runner, threads: int, max_position: int, progress: Progress) -> CostModel:
+    """The model's cost profile measured with ``threads`` torch threads (what each stage has), saved once."""
+    path = default_profile_path(runner.name, runner.fingerprint, threads)
+    if path.exists():
+        cost = CostModel.load(path)
+        if cost.fit.get("max_position", 0) >= max_position:
+            return cost
+    progress(f"profiling {runner.name} with {threads} thread(s) (once per machine) ...")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cost = profile(runner, max_position=max_position, repeats=2)
+    finally:
+        torch.set_num_threads(before)
+    cost.save(path)
+    return cost
+
+
+def compute_speed(cost: CostModel, report) -> float | None:
+    """How fast a stage's grid compute ran against the cost model profiled alone with the same threads: 1.0 = as
+    fast as alone; 0.5 = each stage got half a core (this machine's cores are not independent)."""
+    steps = [(e[1], e[2], e[4] - e[3], e[6] - e[5]) for e in report.events if e[0] in ("compute", "fallback")]
+    actual = sum(t for *_, t in steps)
+    return sum(step_time(cost, (a, b), n) for a, b, n, _ in steps) / actual if actual > 0 else None
+
+
+def _splits(cfg: PipelineBenchConfig, runner, planner: PipelinePlanner, req: Request, cost) -> dict[int, list]:
+    L, out = runner.num_layers, {}
+    for S in cfg.stages:
+        if S < 1 or S > L:
+            raise KVFlowError(f"--stages {S}: the model has {L} layers")
+        if S == 1:
+            out[S] = [(0, L)]
+        elif cfg.split == "even":
+            out[S] = even_split(L, S)
+        elif cfg.split == "auto":
+            rate = lambda n: stage_rate(cost, n, cfg.chunk_tokens)  # noqa: E731
+            split = even_split(L, S)
+            out[S] = list(planner.balance(req, split, [rate(b - a) for a, b in split], rate).suggested or split)
+        else:
+            split = parse_split(cfg.split, L)
+            if len(split) != S:
+                raise KVFlowError(f"--split {cfg.split} has {len(split)} stages; --stages asks for {S}")
+            out[S] = split
+    return out
+
+
+def run(cfg: PipelineBenchConfig, progress: Progress = lambda s: None) -> dict:
+    from kvflow.pipeline import Pipeline, PipelineRun, boundary_overhead, link_bandwidths, shared_pool
+    from kvflow.pool import KVPool
+    from kvflow.restorer import Restorer
+
+    if cfg.context < cfg.chunk_tokens or cfg.query < 1 or cfg.repeats < 1:
+        raise KVFlowError("need --context >= --chunk, --query >= 1 and --repeats >= 1")
+    name = resolve_model(cfg.model, cfg.seed)
+    runner = load_model(name, seed=cfg.seed)
+    C, L = cfg.chunk_tokens, runner.num_layers
+    if cfg.split not in ("auto", "even"):
+        parse_split(cfg.split, L)                 # a bad split is an error before anything is measured
+    if max(cfg.stages) > L:
+        raise KVFlowError(f"--stages {max(cfg.stages)}: the model has {L} layers")
+    cost = cost_model(runner, cfg.threads, cfg.context + cfg.query, progress)
+    n = cfg.context // C
+    req = Request(cfg.context, cfg.query, n)
+    cell = C * cost.kv_bytes_per_token_layer + HEADER_SIZE
+    planner = PipelinePlanner(cost, C, cell, C * runner.hidden_size * 4 + HEADER_SIZE, PlannerConfig())
+    splits = _splits(cfg, runner, planner, req, cost)
+    boundaries = sorted({a for split in splits.values() for a, _ in split[1:]})
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    context = torch.randint(0, runner.config.vocab_size, (cfg.context,), generator=gen)
+    query = torch.randint(0, runner.config.vocab_size, (cfg.query,), generator=gen)
+
+    configs = []   # (S, mode, handoff)
+    for S in cfg.stages:
+        if S == 1:
+            configs.append((1, "single", "stage"))
+        else:
+            configs.append((S, "independent", "stage"))
+            configs += [(S, "sequential", h) for h in cfg.handoffs]
+
+    def label(rho, S, mode, handoff):
+        r = "unthrottled" if rho is None else f"rho={rho:g}"
+        return f"{r} S={S} {mode}" + (f"/{handoff}" if mode == "sequential" else "")
+
+    def make(rho, S, mode, handoff, verify):
+        split = splits[S]
+        return PipelineRun(context, query, split, "independent" if mode == "single" else mode,
+                           link_bandwidths(cost, split, rho, C), handoff=handoff, return_kv=verify,
+                           label=label(rho, S, mode, handoff))
+
+    runs = [make(rho, *c, verify=True) for rho in cfg.rhos for c in configs]
+    for r in range(cfg.repeats):
+        for rho in cfg.rhos:
+            rotated = configs[r % len(configs):] + configs[:r % len(configs)]
+            runs += [make(rho, *c, verify=False) for c in rotated]
+
+    kv_bytes = cfg.context * runner.kv_bytes_per_token() + n * L * HEADER_SIZE
+    act_bytes = len(boundaries) * n * (C * runner.hidden_size * 4 + HEADER_SIZE)
+    with shared_pool(int(1.5 * (kv_bytes + act_bytes)) + (64 << 20), chunk_tokens=C) as pool_cfg:
+        pool = KVPool.open(pool_cfg)
+        try:
+            progress(f"storing {cfg.context} tokens (KV + boundary activations at layers {boundaries})")
+            stored = Restorer(runner, pool, cost=cost).store(context, boundaries=boundaries)
+            progress("reference prefill for the exactness checks")
+            ref_kv, ref_logits = runner.reference_prefill(torch.cat([context, query]))
+            pipe = Pipeline(name, runner.fingerprint, pool_cfg, cost, seed=cfg.seed, threads=cfg.threads,
+                            timeout_s=cfg.timeout_s)
+            progress(f"launching {max(cfg.stages)} stage processes for {len(runs)} runs")
+            results = pipe.run(runs, progress=progress)
+        finally:
+            pool.close()
+
+    by_label: dict[str, list] = {}
+    checks: dict[str, dict] = {}
+    for run_, res in zip(runs, results):
+        if run_.return_kv:
+            diff = max((res.logits - ref_logits).abs().max().item(),
+                       *[max((k - rk).abs().max().item(), (v - rv).abs().max().item())
+                         for (k, v), (rk, rv) in zip(res.kv, ref_kv)])
+            checks[res.label] = {"max_abs_diff": diff, "argmax_ok": bool(res.logits.argmax() == ref_logits.argmax())}
+            res.kv = None
+        else:
+            by_label.setdefault(res.label, []).append(res)
+
+    points = []
+    for rho in cfg.rhos:
+        single = None
+        for S, mode, handoff in configs:
+            lab = label(rho, S, mode, handoff)
+            group = by_label[lab]
+            ttfts = [r.ttft_s for r in group]
+            median = statistics.median(ttfts)
+            mid = min(group, key=lambda r: abs(r.ttft_s - median))
+            point = {"rho": rho, "stages": S, "mode": mode, "handoff": handoff if mode == "sequential" else None,
+                     "label": lab, "split": [list(s) for s in splits[S]],
+                     "bandwidths": [s.bandwidth for s in mid.stages] if rho is not None else None,
+                     "ttft_s": median, "ttft_runs": ttfts,
+                     "restore_s": statistics.median(max(s.restore_s for s in r.stages) for r in group),
+                     "lower_bound_s": mid.lower_bound_s, "predicted_ttft_s": mid.predicted_ttft_s,
+                     "balance": mid.balance, "plan": mid.plan, **checks[lab],
+                     "per_stage": [{"layers": list(s.layers), "inputs": s.inputs, "plan": s.plan,
+                                    "restore_s": statistics.median(r.stages[s.stage].restore_s for r in group),
+                                    "compute_busy_s": statistics.median(r.stages[s.stage].compute_busy_s for r in group),
+                                    "io_busy_s": statistics.median(r.stages[s.stage].io_busy_s for r in group),
+                                    "act_io_busy_s": statistics.median(r.stages[s.stage].act_io_busy_s for r in group),
+                                    "blocked_s": statistics.median(r.stages[s.stage].blocked_s for r in group),
+                                    "compute_speed": _median([compute_speed(cost, r.stages[s.stage])
+                                                              for r in group]),
+                                    "recomputed_chunks": s.recomputed_chunks, "loaded_chunks": s.loaded_chunks}
+                                   for s in mid.stages],
+                     "timeline": [{"stage": s.stage, "layers": list(s.layers), "events": s.events} for s in mid.stages],
+                     "ttft_of_timeline_s": mid.ttft_s}
+            if mode == "single":
+                single = point
+            points.append(point)
+        for p in points:
+            if p["rho"] == rho and single is not None:
+                p["speedup_vs_1"] = single["ttft_s"] / p["ttft_s"]
+                p["ideal"] = p["stages"]
+                p["of_ideal"] = p["speedup_vs_1"] / p["stages"]
+                p["bound_speedup"] = single["lower_bound_s"] / p["lower_bound_s"]
+        indep = {p["stages"]: p for p in points if p["rho"] == rho and p["mode"] == "independent"}
+        for p in points:
+            if p["rho"] == rho and p["mode"] == "sequential" and p["stages"] in indep:
+                p["vs_independent"] = p["ttft_s"] / indep[p["stages"]]["ttft_s"]
+
+    overhead = {S: boundary_overhead(runner, [a for a, _ in split[1:]], C) for S, split in splits.items() if S > 1}
+    return {"config": asdict(cfg), "model": {"name": cfg.model, "path": name, "layers": L,
+                                             "hidden": runner.hidden_size, "kv_heads": runner.kv_heads,
+                                             "head_dim": runner.head_dim, "fingerprint": runner.fingerprint},
+            "machine": {"cpus": os.cpu_count(), "torch_threads_per_stage": cfg.threads,
+                        "note": f"each stage is its own process with {cfg.threads} torch thread(s): S stages use "
+                                f"S x {cfg.threads} core(s), the 1-stage baseline {cfg.threads}"},
+            "cost_model": {"threads": cost.threads, "short_context_rate": cost.short_context_rate(C),
+                           "held_out_median_rel_error": cost.fit.get("held_out_median_rel_error")},
+            "splits": {S: [list(s) for s in split] for S, split in splits.items()},
+            "stored": {"kv_bytes": stored.bytes_written, "act_bytes": stored.act_bytes_written},
+            "overhead": overhead, "points": points}
+
+
+def tables(results: dict) -> list[tuple[str, list[dict]]]:
+    rows = []
+    for p in results["points"]:
+        rows.append({"link": "unthrottled" if p["rho"] is None else f"rho={p['rho']:g}", "stages": p["stages"],
+                     "mode": p["mode"] + (f"/{p['handoff']}" if p["handoff"] else ""),
+                     "layers": ",".join(str(b - a) for a, b in p["split"]),
+                     "TTFT ms": p["ttft_s"] * 1e3, "restore ms": p["restore_s"] * 1e3,
+                     "T* ms": p["lower_bound_s"] * 1e3, "TTFT/T*": p["ttft_s"] / p["lower_bound_s"],
+                     "speedup vs 1": _x(p.get("speedup_vs_1")),
+                     "of ideal": f"{p['of_ideal']:.0%}" if "of_ideal" in p else "-",
+                     "vs independent": f"{p['vs_independent'] - 1:+.0%}" if "vs_independent" in p else "-",
+                     "max |diff|": f"{p['max_abs_diff']:.1e}" + ("" if p["argmax_ok"] else " ARGMAX"),
+                     })
+    cfg = results["config"]
+    title = (f"pipeline restoration: {results['model']['name']} ({results['model']['layers']} layers), context "
+             f"{cfg['context']} + query {cfg['query']}, chunk {cfg['chunk_tokens']}; {results['machine']['note']}; "
+             f"median of {cfg['repeats']}")
+    stage_rows = []
+    for p in results["points"]:
+        for g, s in enumerate(p["per_stage"]):
+            stage_rows.append({"run": p["label"], "stage": g, "layers": f"{s['layers'][0]}-{s['layers'][1] - 1}",
+                               "inputs": s["inputs"], "restore ms": s["restore_s"] * 1e3,
+                               "compute ms": s["compute_busy_s"] * 1e3, "KV I/O ms": s["io_busy_s"] * 1e3,
+                               "act I/O ms": s["act_io_busy_s"] * 1e3, "waited ms": s["blocked_s"] * 1e3,
+                               "compute speed vs alone": "-" if s["compute_speed"] is None
+                               else f"{s['compute_speed']:.2f}",
+                               "recomputed": s["recomputed_chunks"], "loaded": s["loaded_chunks"]})
+    balance = [{"stages": p["stages"], "link": "unthrottled" if p["rho"] is None else f"rho={p['rho']:g}",
+                "balance": p["balance"]["describe"]} for p in results["points"] if p["mode"] == "independent"]
+    overhead = [{"stages": S, "boundaries": ",".join(map(str, o["boundaries"])),
+                 "act B/token": o["act_bytes_per_token"], "KV B/token": o["kv_bytes_per_token"],
+                 "% of KV": f"{o['percent_of_kv']:.1f}%"} for S, o in results["overhead"].items()]
+    return [(title, rows), ("per stage (the median run)", stage_rows), ("load balance (planner)", balance),
+            ("boundary activation storage overhead (fp32)", overhead)]
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _x(v):
+    return f"{v:.2f}x" if v is not None and math.isfinite(v) else "-"
+
+
+COLORS = {"compute": "#4C72B0", "fallback": "#C44E52", "query": "#55A868", "head": "#8172B2", "load": "#DD8452",
+          "act": "#937860", "wait": "#BBBBBB"}
+
+
+def figure(results: dict, folder: Path) -> list[Path]:
+    """One PNG per link setting: one panel per configuration, two lanes per stage (compute, I/O)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for rho in results["config"]["rhos"]:
+        pts = [p for p in results["points"] if p["rho"] == rho]
+        height = sum(2 * len(p["timeline"]) for p in pts) * 0.35 + 1.2 * len(pts)
+        fig, axes = plt.subplots(len(pts), 1, figsize=(11, max(3.0, height)), sharex=True, squeeze=False)
+        for ax, p in zip(axes[:, 0], pts):
+            labels = []
+            for s in p["timeline"]:
+                base = 2 * (len(p["timeline"]) - 1 - s["stage"])
+                for kind, a, b, l0, l1, start, end in s["events"]:
+                    lane = base + (0 if kind in ("load", "act") else 1)
+                    ax.barh(lane, end - start, left=start, color=COLORS.get(kind, "#333333"), height=0.7,
+                            edgecolor="white", linewidth=0.3)
+                labels += [(base, f"stage {s['stage']} I/O"), (base + 1, f"stage {s['stage']} compute "
+                                                                         f"(L{s['layers'][0]}-{s['layers'][1] - 1})")]
+            ax.axvline(p["ttft_of_timeline_s"], color="k", lw=1, ls="--")
+            ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=7)
+            ax.set_title(f"{p['label']}: TTFT {p['ttft_of_timeline_s'] * 1e3:.0f} ms (dashed), "
+                         f"T* {p['lower_bound_s'] * 1e3:.0f} ms", fontsize=9)
+        axes[-1, 0].set_xlabel("seconds since the restoration started (all stages on one clock)")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+        axes[0, 0].legend(handles, list(COLORS), ncol=len(COLORS), fontsize=7, loc="lower right")
+        fig.tight_layout()
+        tag = "unthrottled" if rho is None else f"rho{rho:g}"
+        path = folder / f"pipeline-timeline-{tag}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,85 @@
+"""`kvflow bench pipeline`: pipeline-parallel restoration — stages as processes, each on its own link."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from kvflow.cli.main import bench_app
+from kvflow.errors import KVFlowError
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KVFlowError(f"bad {name} {text!r}: expected comma-separated integers, e.g. 1,2") from None
+    if not values or min(values) < 1:
+        raise KVFlowError(f"bad {name} {text!r}: values must be >= 1")
+    return values
+
+
+def _rhos(text: str) -> list[float | None]:
+    out: list[float | None] = []
+    for x in (t.strip() for t in text.split(",") if t.strip()):
+        if x in ("unthrottled", "inf", "none"):
+            out.append(None)
+            continue
+        try:
+            value = float(x)
+        except ValueError:
+            raise KVFlowError(f"bad --rho {text!r}: numbers or 'unthrottled', e.g. 1,unthrottled") from None
+        if value <= 0:
+            raise KVFlowError(f"bad --rho {text!r}: rho must be positive")
+        out.append(value)
+    if not out:
+        raise KVFlowError("--rho needs at least one value")
+    return out
+
+
+@bench_app.command("pipeline")
+def bench_pipeline(
+    stages: str = typer.Option("1,2", "--stages", help="stage counts to compare, e.g. 1,2 (1 = single process)"),
+    model: str = typer.Option("tiny-deep", help="preset, checkpoint directory, or tiny-deep (tiny's shape with 16 "
+                                                 "layers, 4 KV heads: Llama-3.1-8B's activation/KV ratio at 2 stages)"),
+    context: int = typer.Option(4096, min=1, help="context tokens"),
+    query: int = typer.Option(32, min=1, help="query tokens"),
+    chunk: int = typer.Option(256, min=1, help="chunk tokens"),
+    rho: str = typer.Option("1,unthrottled", help="I/O-to-compute ratios per stage link; 'unthrottled' = no cap"),
+    repeats: int = typer.Option(5, min=1, help="timed runs per configuration (median reported)"),
+    threads: int = typer.Option(1, min=1, help="torch threads per stage process"),
+    split: str = typer.Option("auto", help="layers per stage: auto (planner-balanced), even, or sizes like 9,7"),
+    handoff: str = typer.Option("stage,step", help="sequential baseline hand-off: stage (all at once), step, or both"),
+    seed: int = typer.Option(0, help="weight seed"),
+    timeout: float = typer.Option(900.0, min=10, help="seconds before the stages are stopped"),
+    as_json: bool = typer.Option(False, "--json", help="print the results as JSON instead of tables"),
+    out: Optional[Path] = typer.Option(None, help="output folder (default runs/pipeline-<timestamp>/)"),
+) -> None:
+    """Independent (boundary activations) vs sequential vs 1-stage restoration: TTFT, speedup vs the ideal, T*."""
+    from kvflow.bench import pipeline_bench
+    from kvflow.bench.common import out_dir, print_table, write_json
+
+    handoffs = [h.strip() for h in handoff.split(",") if h.strip()]
+    if not handoffs or any(h not in ("stage", "step") for h in handoffs):
+        raise KVFlowError(f"bad --handoff {handoff!r}: stage, step or stage,step")
+    cfg = pipeline_bench.PipelineBenchConfig(model=model, seed=seed, stages=sorted(set(_ints(stages, "--stages"))),
+                                             context=context, query=query, chunk_tokens=chunk, rhos=_rhos(rho),
+                                             repeats=repeats, threads=threads, split=split, handoffs=handoffs,
+                                             timeout_s=timeout)
+    if 1 not in cfg.stages:
+        raise KVFlowError("--stages must include 1: speedups are measured against the 1-stage restoration")
+    log = Console(stderr=True)
+    folder = out_dir("pipeline", out)
+    results = pipeline_bench.run(cfg, progress=lambda s: log.log(s) if not as_json else None)
+    write_json(folder / "results.json", results)
+    pngs = pipeline_bench.figure(results, folder)
+    if as_json:
+        print(json.dumps(results, indent=2, default=str))
+        return
+    for title, rows in pipeline_bench.tables(results):
+        print_table(title, rows)
+    Console().print(f"results: {folder / 'results.json'}; timelines: {', '.join(str(p) for p in pngs)}")
