@@ -23,40 +23,14 @@ from typing import Callable
 import torch
 
 from kvflow.chunks.record import HEADER_SIZE
-from kvflow.cost import CostModel, default_profile_path, profile, profiles_dir
+from kvflow.cost import CostModel, default_profile_path, profile
 from kvflow.errors import KVFlowError
 from kvflow.model import load_model
-from kvflow.model.presets import PRESETS, build_config
 from kvflow.planner import PlannerConfig, Request
 from kvflow.planner.pipeline import PipelinePlanner, even_split, parse_split, stage_rate
 from kvflow.planner.predict import step_time
 
 Progress = Callable[[str], None]
-
-# Deep, narrow shapes the presets lack: what matters for pipeline restoration is the activation / stage-KV ratio
-# (hidden / (2 x kv_heads x head_dim x layers per stage)). tiny-deep: tiny's shape with 16 layers and 4 KV heads
-# -> 1/8 at 2 stages, the ratio of Llama-3.1-8B at 2 stages (4096 / (2 x 8 x 128 x 16)); 4-layer `tiny` has 1
-# at 2 stages (activations cost as much I/O as the stage's KV), no real model has that.
-BENCH_MODELS = {"tiny-deep": ("tiny", {"num_hidden_layers": 16, "num_key_value_heads": 4})}
-
-
-def resolve_model(name: str, seed: int) -> str:
-    """A name every stage process can load: presets as they are; a bench shape saved once as a checkpoint."""
-    if name not in BENCH_MODELS:
-        return name
-    base, overrides = BENCH_MODELS[name]
-    path = profiles_dir().parent / "models" / f"{name}-seed{seed}"
-    if not (path / "config.json").exists():
-        from transformers import AutoModelForCausalLM
-        config = build_config(PRESETS[base])
-        for k, v in overrides.items():
-            setattr(config, k, v)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.save_pretrained(path)
-    return str(path)
-
 
 @dataclass
 class PipelineBenchConfig:
@@ -128,7 +102,7 @@ def run(cfg: PipelineBenchConfig, progress: Progress = lambda s: None) -> dict:
 
     if cfg.context < cfg.chunk_tokens or cfg.query < 1 or cfg.repeats < 1:
         raise KVFlowError("need --context >= --chunk, --query >= 1 and --repeats >= 1")
-    name = resolve_model(cfg.model, cfg.seed)
+    name = cfg.model
     runner = load_model(name, seed=cfg.seed)
     C, L = cfg.chunk_tokens, runner.num_layers
     if cfg.split not in ("auto", "even"):

@@ -44,8 +44,8 @@ def _rhos(text: str) -> list[float | None]:
 @bench_app.command("pipeline")
 def bench_pipeline(
     stages: str = typer.Option("1,2", "--stages", help="stage counts to compare, e.g. 1,2 (1 = single process)"),
-    model: str = typer.Option("tiny-deep", help="preset, checkpoint directory, or tiny-deep (tiny's shape with 16 "
-                                                 "layers, 4 KV heads: Llama-3.1-8B's activation/KV ratio at 2 stages)"),
+    model: str = typer.Option("tiny-deep", help="preset or checkpoint directory (tiny-deep: 16 layers, 4 KV heads — "
+                                                 "Llama-3.1-8B's activation/KV ratio at 2 stages)"),
     context: int = typer.Option(4096, min=1, help="context tokens"),
     query: int = typer.Option(32, min=1, help="query tokens"),
     chunk: int = typer.Option(256, min=1, help="chunk tokens"),

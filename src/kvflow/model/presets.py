@@ -26,6 +26,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
         vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=262144, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)),
+    # Deep and narrow: hidden 256 vs 16 layers x 4 KV heads x 32 — at 2 pipeline stages the boundary activation
+    # is 1/8 of a stage's KV per token, Llama-3.1-8B's ratio (4096 / (2 x 8 x 128 x 16)). The pipeline bench model.
+    Preset("tiny-deep", "llama", "pipeline test model: tiny's shape with 16 layers, 8q/4kv heads", dict(
+        vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=16, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, max_position_embeddings=262144, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)),
     Preset("qwen2.5-0.5b", "qwen2", "Qwen2.5-0.5B shape: 24 layers, hidden 896, 14q/2kv heads", dict(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True,
