@@ -130,3 +130,20 @@ def test_bad_requests_are_clear_errors(tiny):
         restorer.restore(ids(64, 0), ids(2, 1), "nope")
     with pytest.raises(KVFlowError, match="scheduler"):
         restorer.restore_batch([(ids(64, 0), ids(2, 1))], "cake", scheduler="batch")
+
+
+@SETTINGS
+@given(n_chunks=st.integers(1, 6), rho=st.sampled_from([0.3, 1.0, 3.0]), seed=st.integers(0, 1000))
+def test_token_pointers_meet_inside_a_chunk_and_fill_every_cell_once(tiny, n_chunks, rho, seed):
+    """The token plan shares the last unclaimed chunk layer by layer (compute bottom-up, I/O top-down):
+    every cell is filled exactly once by one side, and the result is exact."""
+    pool = KVPool.memory("64M", chunk_tokens=32)
+    restorer = Restorer(tiny, pool, cost=synthetic_cost(tiny))
+    context, query = ids(32 * n_chunks + 5, seed), ids(4, seed + 1)
+    restorer.store(context)
+    pool.set_throttle(rho * restorer.cost.short_context_rate(32) * 20)
+    out = restorer.restore(context, query, "token")
+    assert_exact(tiny, out, context, query)
+    cells = [(i, layer) for e in out.timeline if e.kind in ("compute", "load")
+             for i in range(e.tokens[0] // 32, e.tokens[1] // 32) for layer in range(*e.layers)]
+    assert sorted(cells) == [(i, layer) for i in range(n_chunks) for layer in range(tiny.num_layers)]

@@ -86,6 +86,9 @@ class _Board:
         self.io_chunk_s = 0.0                          # meet guard: last chunk load's duration
         self.io_started = None                         # meet guard: when the load in flight began
         self.told_link = False
+        self.shared: int | None = None                 # cell meet: the chunk both sides share, layer by layer ...
+        self.sl, self.sh = 0, plan.num_layers          # ... compute owns layers [0, sl), I/O owns [sh, L)
+        self.shared_visited = [False, False]           # ... compute / I/O side has worked on it
         self.failed: dict[int, int] = {}               # chunk -> lowest failed (plan) layer
         self.compute_busy = 0.0
         self.grid_compute_end = 0.0
@@ -95,14 +98,14 @@ class _Board:
     def grid_loaded(self, plan: Plan) -> bool:
         """Every load this request will get has landed (its compute items may still be queued)."""
         if plan.dynamic_meet:
-            return self.lo >= self.hi and self.in_flight == 0
+            return self.in_flight == 0 and (self.lo >= self.hi or (self.shared is not None and self.sl >= self.sh))
         return not any(self.pending)
 
     def grid_whole(self, plan: Plan, io_done: bool) -> bool:
         """Every cell is in (or the I/O thread ended, so failures/errors show). Dynamic: every chunk claimed and
         no load in flight (compute steps finish before this is asked). Static: all compute items run too."""
         if plan.dynamic_meet:
-            return (self.lo >= self.hi and self.in_flight == 0) or (io_done and self.compute_left == 0)
+            return self.grid_loaded(plan) or (io_done and self.compute_left == 0)
         return self.compute_left == 0 and (io_done or self.grid_loaded(plan))
 
     def failed_at_or_below(self, layer: int) -> bool:
@@ -199,6 +202,8 @@ class Executor:
         """One grid compute step on the calling thread. Dynamic meet: clipped at the I/O pointer and claimed
         before it runs — for a stage only once its inputs are in hand, so a wait never strands claimed chunks."""
         plan, C = job.plan, job.plan.chunk_tokens
+        if plan.cell_meet and job.link is None:
+            return self._compute_cell_meet(job, board, step, cond, clock)
         (a, b), layers = step.tokens, step.layers
         last = False                                 # the meet guard shortened this step: the compute side's last
         with cond:
@@ -250,6 +255,49 @@ class Executor:
         with cond:
             board.compute_stopped = board.compute_stopped or last
             cond.notify_all()
+
+    def _compute_cell_meet(self, job: Job, board: _Board, step: ComputeStep, cond, clock) -> None:
+        """Dynamic meet that never claims the last unclaimed chunk whole: once one chunk is left, it is shared
+        (compute bottom-up, I/O top-down). Chunks below it were all recomputed here, so each of its layers can
+        be; the I/O side needs nothing."""
+        C = job.plan.chunk_tokens
+        (a, b), layers = step.tokens, step.layers
+        end = 0
+        with cond:
+            board.compute_left -= 1
+            if a // C == board.lo and board.shared is None:
+                c1 = min(b // C, board.hi - 1)
+                if c1 > board.lo:
+                    board.lo, end = c1, c1 * C
+        if end:
+            self._grid_step(job, board, (a, end), layers, self.runner.embed(job.token_ids[a:end]), clock)
+        with cond:
+            if board.shared is None and board.hi - board.lo == 1:
+                board.shared = board.lo
+            mine = board.shared is not None and not board.shared_visited[0]
+            board.shared_visited[0] = board.shared_visited[0] or mine
+            cond.notify_all()
+        if not mine:
+            return
+        s = board.shared
+        hidden = self.runner.embed(job.token_ids[s * C:(s + 1) * C])
+        while True:
+            with cond:
+                if board.sl >= board.sh:
+                    cond.notify_all()
+                    return
+                layer = board.sl
+                board.sl += 1
+            hidden = self._grid_step(job, board, (s * C, (s + 1) * C), (layer, layer + 1), hidden, clock)
+
+    def _grid_step(self, job: Job, board: _Board, tokens, layers, hidden, clock) -> torch.Tensor:
+        start = clock()
+        out = self.runner.run_layers(job.cache, hidden, tokens[0], self._model_layers(job.plan, layers))
+        end = clock()
+        board.compute_busy += end - start
+        board.grid_compute_end = end
+        board.events.append(Event("compute", tokens, layers, start, end))
+        return out
 
     @staticmethod
     def _guard(plan: Plan, board: _Board, a: int, b: int, clock) -> tuple[int, bool]:
@@ -355,6 +403,32 @@ class Executor:
             hidden[a] = self.runner.run_layers(job.cache, hidden[a], a, self._model_layers(job.plan, layers))
         board.events.append(Event("query", (pieces[0][0], pieces[-1][1]), layers, start, clock()))
 
+    def _load_shared(self, job: Job, board: _Board, chunk: int, cond, io_events, r: int, clock) -> None:
+        """Cell meet, I/O side: load the shared chunk's layers top-down until the compute side's layer is next,
+        as many layers per read as the pool has devices (one layer alone would leave the others idle)."""
+        C, width = job.plan.chunk_tokens, getattr(self.pool, "parallelism", 1)
+        while True:
+            with cond:
+                top = board.sh
+                board.sh = max(board.sl, board.sh - width)
+                if board.sh >= top:
+                    return
+                layers = (board.sh, top)
+                board.in_flight += 1
+            keys = [job.keys[chunk][layer] for layer in range(*layers)]
+            start = clock()
+            got = self.pool.get_many(keys)
+            failed = [k.layers[0] for k in keys if got.get(k) is None]
+            for key in keys:
+                if got.get(key) is not None:
+                    job.cache.write_block(got[key], key.tokens, key.layers)
+            io_events.append((r, Event("load", (chunk * C, (chunk + 1) * C), layers, start, clock())))
+            with cond:
+                if failed:
+                    board.failed[chunk] = min([board.failed.get(chunk, layers[1])] + failed)
+                board.in_flight -= 1
+                cond.notify_all()
+
     def _io_loop(self, jobs, boards, io_order, cond, io_events, io_error, io_done, clock) -> None:
         try:
             for r, step in io_order:
@@ -363,12 +437,23 @@ class Executor:
                 (c0, c1), (l0, l1) = step.chunks, step.layers
                 if job.plan.dynamic_meet:
                     with cond:
-                        if c0 < board.lo:
+                        shared = job.plan.cell_meet and job.link is None and (
+                            board.shared == c0 or (board.shared is None and c0 == board.lo == board.hi - 1))
+                        if shared:
+                            board.shared = c0
+                            if board.shared_visited[1]:
+                                continue
+                            board.shared_visited[1] = True
+                        elif c0 < board.lo or board.shared is not None:
                             continue       # the compute side got here first
-                        assert c1 == board.hi and c1 - c0 == 1, "dynamic loads must walk backward by one chunk"
-                        board.hi = c0
-                        board.in_flight += 1
-                        board.io_started = clock()
+                        else:
+                            assert c1 == board.hi and c1 - c0 == 1, "dynamic loads must walk backward by one chunk"
+                            board.hi = c0
+                            board.in_flight += 1
+                            board.io_started = clock()
+                    if shared:
+                        self._load_shared(job, board, c0, cond, io_events, r, clock)
+                        continue
                 wanted = [job.keys[i][layer] for i in range(c0, c1) for layer in range(l0, l1)]
                 start = clock()
                 got = self.pool.get_many(wanted)

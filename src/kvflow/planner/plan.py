@@ -21,6 +21,9 @@ boundary moves at run time to wherever they meet (Cake's mechanism; ``split`` is
 side claims a step only while it would finish it before the I/O side could load it — the compute prediction scaled
 by the speed measured so far, the I/O side paced by its last load (a late chunk claimed by a compute side slower
 than planned is what the meet must avoid). ``chunk_io_s`` is the plan's prediction, for display and tests.
+With ``cell_meet`` the pointers meet inside a chunk: the last unclaimed chunk is shared layer by layer — the compute
+side recomputes its lower layers bottom-up, the I/O side loads its upper layers top-down (a staircase decided at
+run time), so neither side idles for more than one cell at the end.
 With ``pipelined_query`` the query runs layer by layer, each layer waiting only for that layer's cells.
 
 A pipeline stage's plan covers only its own layers: layer indices in ``split`` and in the steps are relative to
@@ -70,6 +73,7 @@ class Plan:
     layer_offset: int = 0                # a pipeline stage: the plan's layer 0 is this layer of the model
     chunk_compute_s: tuple[float, ...] = ()   # dynamic meet guard: predicted recompute seconds of each chunk ...
     chunk_io_s: float = 0.0                   # ... and of loading one chunk (empty / 0: no guard)
+    cell_meet: bool = False              # dynamic meet: share the last unclaimed chunk layer by layer
     predicted: Prediction | None = None
     lower_bound_s: float | None = None
     notes: dict = field(default_factory=dict)

@@ -120,7 +120,8 @@ class Planner:
             size = per if i + per <= guess - self.config.near_meet_chunks else 1
             steps.append(ComputeStep((i * C, min(i + size, n) * C), (0, self.L)))
             i += size
-        return self._meet("token", req, steps, pipelined=True)
+        # the pointers meet inside the last chunk, layer by layer (cake meets at whole chunks)
+        return replace(self._meet("token", req, steps, pipelined=True), cell_meet=True)
 
     def _layer(self, req: Request) -> Plan:
         n = req.stored_chunks

@@ -361,6 +361,11 @@ class KVPool:
         return n * self.chunk_tokens
 
     @property
+    def parallelism(self) -> int:
+        """Devices that serve reads: a read of fewer records than this leaves bandwidth unused."""
+        return max(1, sum(1 for s in self._slots if s.healthy))
+
+    @property
     def read_bandwidth(self) -> float:
         """Bytes/s the organizer believes the whole pool reads at: sum of b_i over healthy devices, caps applied."""
         return sum(s.read_bw for s in self._slots if s.healthy)
