@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,17 @@ def out_dir(bench: str, out: str | Path | None = None) -> Path:
     path = Path(out) if out is not None else Path("runs") / f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def odirect_supported(folder: str | Path) -> bool:
+    """Whether files in ``folder`` can be opened O_DIRECT (tmpfs and some overlays cannot)."""
+    path = os.path.join(folder, ".odirect-probe")
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        return False
+    os.unlink(path)
+    return True
 
 
 def fmt(value) -> str:

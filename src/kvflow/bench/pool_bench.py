@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from kvflow.bench.common import odirect_supported
 from kvflow.chunks.keys import chunk_keys, layer_groups
 from kvflow.pool import KVPool
 
@@ -100,16 +101,6 @@ def drop_page_cache(allowed: bool = True) -> str:
         return "drop_caches"
     except OSError:
         return "fadvise"
-
-
-def odirect_supported(folder: str) -> bool:
-    path = os.path.join(folder, ".odirect-probe")
-    try:
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
-    except OSError:
-        return False
-    os.unlink(path)
-    return True
 
 
 def cpu_seconds() -> float:

@@ -9,6 +9,7 @@ hits every strategy alike.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import tempfile
@@ -18,7 +19,9 @@ from typing import Callable
 
 import torch
 
+from kvflow.bench.common import odirect_supported, save_figure
 from kvflow.cost.model import CostModel
+from kvflow.errors import KVFlowError
 from kvflow.model.runner import ModelRunner
 from kvflow.planner import STRATEGIES
 from kvflow.pool import KVPool
@@ -55,15 +58,23 @@ class Bench:
     def restorer(self, pool_name: str) -> Restorer:
         return Restorer(self.runner, self.pools[pool_name], cost=self.cost)
 
-    def add_context(self, n: int) -> None:
-        if n in self.contexts:
+    def add_context(self, n: int, key=None, seed: int | None = None) -> None:
+        """Store an ``n``-token context (random tokens from ``seed``) under ``key`` (default: n) in every pool and
+        keep the reference prefill. A pool that cannot keep all of it would turn loads into recomputes: error."""
+        key = n if key is None else key
+        if key in self.contexts:
             return
-        ctx = context(n, n, self.runner.config.vocab_size)
-        query = context(self.query_len, n + 1, self.runner.config.vocab_size)
-        self.contexts[n] = (ctx, query)
-        self.refs[n] = self.runner.reference_prefill(torch.cat([ctx, query]))
+        seed = n if seed is None else seed
+        ctx = context(n, seed, self.runner.config.vocab_size)
+        query = context(self.query_len, seed + 1, self.runner.config.vocab_size)
+        self.contexts[key] = (ctx, query)
+        self.refs[key] = self.runner.reference_prefill(torch.cat([ctx, query]))
         for name in self.pools:
-            self.restorer(name).store(ctx)
+            restorer = self.restorer(name)
+            restorer.store(ctx)
+            held = self.pools[name].longest_prefix(ctx, self.runner.fingerprint, restorer.groups)
+            if held < n // self.chunk_tokens * self.chunk_tokens:
+                raise KVFlowError(f"benchmark pool {name!r} holds {held} of {n} tokens: too small for the contexts")
 
     def close(self) -> None:
         for pool in self.pools.values():
@@ -72,20 +83,10 @@ class Bench:
             self.tmp.cleanup()
 
 
-def odirect_supported(folder: str) -> bool:
-    import os
-    path = os.path.join(folder, ".odirect-probe")
-    try:
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
-    except OSError:
-        return False
-    os.unlink(path)
-    return True
-
-
 def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: int = 256, query_len: int = 32,
-               disk_dir: str | None = None, progress: Progress = lambda s: None) -> Bench:
-    """A throttled memory pool (two devices, striped) and, with ``disk_dir``, an O_DIRECT extent file there."""
+               disk_dir: str | None = None, progress: Progress = lambda s: None, store: bool = True) -> Bench:
+    """A throttled memory pool (two devices, striped) and, with ``disk_dir``, an O_DIRECT extent file there, sized
+    for contexts of ``lengths`` (stored now unless ``store`` is false)."""
     kv = runner.kv_bytes_per_token()
     need = ((int(sum(lengths) * kv * 1.3) >> 20) + 64) << 20  # whole MiB: extent devices want aligned sizes
     bench = Bench(runner, cost, chunk_tokens, query_len)
@@ -99,7 +100,7 @@ def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: i
                                            "index_dir": str(Path(bench.tmp.name) / "index"),
                                            "devices": [{"type": "extent", "capacity": need, "direct": direct,
                                                         "path": str(Path(bench.tmp.name) / "disk.img")}]})
-    for n in sorted(set(lengths)):
+    for n in sorted(set(lengths)) if store else ():
         progress(f"storing a {n}-token context (prefill + reference)")
         bench.add_context(n)
     return bench
@@ -107,27 +108,34 @@ def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: i
 
 def measure(bench: Bench, pool_name: str, n: int, strategies, repeats: int, progress: Progress,
             label: str) -> dict[str, dict]:
-    """Median TTFT etc. of each strategy on the ``n``-token context, strategies interleaved per repeat."""
+    """Median TTFT etc. of each strategy on the ``n``-token context. Strategies are interleaved and their order
+    rotates every repeat (no strategy always runs first or last); the heap is collected before each restore;
+    each result is checked against the reference and its KV dropped at once, so memory stays flat."""
     restorer = bench.restorer(pool_name)
     ctx, query = bench.contexts[n]
-    runs: dict[str, list[RestoreResult]] = {s: [] for s in strategies}
+    ref_argmax = bench.refs[n][1].argmax().item()
+    runs: dict[str, list[tuple[RestoreResult, float, bool]]] = {s: [] for s in strategies}
+    order = list(strategies)
     for rep in range(repeats):
-        for s in strategies:
+        for s in order[rep % len(order):] + order[:rep % len(order)]:
             progress(f"{label}: {s} ({rep + 1}/{repeats})")
-            runs[s].append(restorer.restore(ctx, query, s))
+            gc.collect()
+            out = restorer.restore(ctx, query, s)
+            diff, ok = kv_diff(out, bench.refs[n]), out.logits.argmax().item() == ref_argmax
+            out.kv = None
+            runs[s].append((out, diff, ok))
     rows = {}
     for s, outs in runs.items():
-        mid = sorted(outs, key=lambda o: o.timings.ttft_s)[len(outs) // 2]
+        mid = sorted(outs, key=lambda o: o[0].timings.ttft_s)[len(outs) // 2][0]
         t = mid.timings
         rows[s] = {
-            "strategy": s, "context": n, "ttft_s": statistics.median(o.timings.ttft_s for o in outs),
-            "ttft_runs": [o.timings.ttft_s for o in outs], "predicted_s": t.predicted_ttft_s,
-            "lower_bound_s": t.lower_bound_s, "vs_lower_bound": statistics.median(o.timings.vs_lower_bound
-                                                                                   for o in outs),
+            "strategy": s, "context": n, "ttft_s": statistics.median(o.timings.ttft_s for o, _, _ in outs),
+            "ttft_runs": [o.timings.ttft_s for o, _, _ in outs], "predicted_s": t.predicted_ttft_s,
+            "lower_bound_s": t.lower_bound_s,
+            "vs_lower_bound": statistics.median(o.timings.vs_lower_bound for o, _, _ in outs),
             "restore_s": t.restore_s, "compute_util": t.compute_util, "io_util": t.io_util,
             "blocked_io_s": t.blocked_io_s, "lookup_s": t.lookup_s, "plan_s": t.plan_s,
-            "max_abs_diff": max(kv_diff(o, bench.refs[n]) for o in outs),
-            "argmax_ok": all(o.logits.argmax().item() == bench.refs[n][1].argmax().item() for o in outs),
+            "max_abs_diff": max(d for _, d, _ in outs), "argmax_ok": all(ok for _, _, ok in outs),
             "plan": mid.plan.describe(), "chose": mid.plan.notes.get("chose", s),
             "fallback_chunks": mid.fallback_chunks, "_result": mid,
         }
@@ -158,7 +166,8 @@ def sweep_rho(bench: Bench, n: int, rhos, strategies, repeats: int, progress: Pr
         rows = measure(bench, "memory", n, strategies, repeats, progress, f"{n} tokens, rho={rho:g}")
         points.append({"rho": rho, "pool": "memory (throttled)", "context": n, "rows": rows})
     if "disk" in bench.pools:
-        rows = measure(bench, "disk", n, strategies, max(repeats, 5), progress, f"{n} tokens, real disk")
+        # a real disk varies far more run to run than a throttle: more repeats
+        rows = measure(bench, "disk", n, strategies, max(3 * repeats, 7), progress, f"{n} tokens, real disk")
         bw = bench.pools["disk"].read_bandwidth
         points.append({"rho": bw / rho_bandwidth(bench, 1.0), "pool": "disk (unthrottled, O_DIRECT)", "context": n,
                        "rows": rows})
@@ -215,21 +224,25 @@ def ttft_stats(values: list[float]) -> dict:
 
 
 def measure_batch(bench: Bench, lengths: list[int], rho: float, repeats: int, progress: Progress) -> dict:
-    """Batch-aware cacheflow vs per-request FCFS (cake, token, cacheflow), all requests arriving together."""
-    for n in lengths:
-        bench.add_context(n)
+    """Batch-aware cacheflow vs per-request FCFS (cake, token, cacheflow), all requests arriving together.
+    Every request has its own context, even when two have the same length."""
+    keys = [("batch", len(lengths), i) for i in range(len(lengths))]
+    for i, (n, key) in enumerate(zip(lengths, keys)):
+        progress(f"storing request {i + 1}/{len(lengths)} of the batch ({n} tokens)")
+        bench.add_context(n, key, seed=1000 * len(lengths) + i)
     bench.pools["memory"].set_throttle(rho_bandwidth(bench, rho))
     restorer = bench.restorer("memory")
-    requests = [bench.contexts[n] for n in lengths]
+    requests = [bench.contexts[key] for key in keys]
     modes = [("cacheflow", "batch"), ("cake", "fcfs"), ("token", "fcfs"), ("cacheflow", "fcfs")]
     runs: dict[str, list[list[float]]] = {f"{s}/{m}": [] for s, m in modes}
     worst_diff = 0.0
     for rep in range(repeats):
-        for s, m in modes:
+        for s, m in modes[rep % len(modes):] + modes[:rep % len(modes)]:
             progress(f"batch of {len(lengths)}: {s}/{m} ({rep + 1}/{repeats})")
+            gc.collect()
             outs = restorer.restore_batch(requests, s, m)
             runs[f"{s}/{m}"].append([o.timings.ttft_s for o in outs])
-            worst_diff = max([worst_diff] + [kv_diff(o, bench.refs[n]) for o, n in zip(outs, lengths)])
+            worst_diff = max([worst_diff] + [kv_diff(o, bench.refs[key]) for o, key in zip(outs, keys)])
     result = {"lengths": lengths, "rho": rho, "max_abs_diff": worst_diff, "modes": {}}
     for name, reps in runs.items():
         per_rep = [ttft_stats(r) for r in reps]
@@ -242,77 +255,61 @@ def measure_batch(bench: Bench, lengths: list[int], rho: float, repeats: int, pr
 
 # ----------------------------------------------------------------------------------------------- output
 def plot_rho(points: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """TTFT of every strategy vs rho (with T*), and each strategy's TTFT over cacheflow's."""
     swept = [p for p in points if p["pool"].startswith("memory")]
+    rhos = [p["rho"] for p in swept]
     strategies = list(swept[0]["rows"])
-    fig, (ax, sp) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for s in strategies:
-        ax.plot([p["rho"] for p in swept], [p["rows"][s]["ttft_s"] for p in swept], marker="o", label=s,
-                lw=2.5 if s == "cacheflow" else 1.2)
-    ax.plot([p["rho"] for p in swept], [p["rows"]["cacheflow"]["lower_bound_s"] for p in swept], "k--", lw=1,
-            label="T* (lower bound)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("rho = I/O bandwidth / recompute rate")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    for s in strategies:
-        if s != "cacheflow":
-            sp.plot([p["rho"] for p in swept], [p["rows"][s]["ttft_s"] / p["rows"]["cacheflow"]["ttft_s"]
-                                                for p in swept], marker="o", label=f"{s} / cacheflow")
-    sp.axhline(1.0, color="k", lw=0.8)
-    sp.set_xscale("log", base=2)
-    sp.set_xlabel("rho")
-    sp.set_ylabel("TTFT ratio (>1: cacheflow faster)")
-    sp.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+    def draw(axes):
+        ax, sp = axes
+        for s in strategies:
+            ax.plot(rhos, [p["rows"][s]["ttft_s"] for p in swept], marker="o", label=s,
+                    lw=2.5 if s == "cacheflow" else 1.2)
+            if s != "cacheflow":
+                sp.plot(rhos, [p["rows"][s]["ttft_s"] / p["rows"]["cacheflow"]["ttft_s"] for p in swept],
+                        marker="o", label=f"{s} / cacheflow")
+        ax.plot(rhos, [p["rows"]["cacheflow"]["lower_bound_s"] for p in swept], "k--", lw=1, label="T* (lower bound)")
+        ax.set(xscale="log", yscale="log", xlabel="rho = I/O bandwidth / recompute rate", ylabel="TTFT (s)",
+               title=title)
+        sp.axhline(1.0, color="k", lw=0.8)
+        sp.set(xscale="log", xlabel="rho", ylabel="TTFT ratio (>1: cacheflow faster)")
+        ax.set_xscale("log", base=2)
+        sp.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+        sp.legend(fontsize=7)
+
+    save_figure(path, draw, panels=2, size=(6.0, 4.5))
 
 
 def plot_lengths(points: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """TTFT / T* of every strategy vs context length: where layer split stops paying."""
     lens = [p["context"] for p in points]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s in points[0]["rows"]:
-        ax.plot(lens, [p["rows"][s]["ttft_s"] / p["rows"]["cacheflow"]["lower_bound_s"] for p in points],
-                marker="o", label=s, lw=2.5 if s == "cacheflow" else 1.2)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context tokens")
-    ax.set_ylabel("TTFT / T*")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+    def draw(axes):
+        (ax,) = axes
+        for s in points[0]["rows"]:
+            ax.plot(lens, [p["rows"][s]["ttft_s"] / p["rows"]["cacheflow"]["lower_bound_s"] for p in points],
+                    marker="o", label=s, lw=2.5 if s == "cacheflow" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="context tokens", ylabel="TTFT / T*", title=title)
+        ax.legend(fontsize=7)
+
+    save_figure(path, draw, size=(7.0, 4.5))
 
 
 def plot_batch(results: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Mean / P50 / P99 TTFT of each scheduler, one panel per batch size."""
+    def draw(axes):
+        for ax, res in zip(axes, results):
+            modes = list(res["modes"])
+            for j, stat in enumerate(("mean", "p50", "p99")):
+                ax.bar([i + 0.27 * j for i in range(len(modes))], [res["modes"][m][stat] for m in modes],
+                       width=0.27, label=stat)
+            ax.set_xticks([i + 0.27 for i in range(len(modes))], modes, rotation=20, fontsize=7)
+            ax.set(title=f"{title}: batch of {len(res['lengths'])}", ylabel="TTFT (s)")
+            ax.legend(fontsize=7)
 
-    fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 4), squeeze=False)
-    for ax, res in zip(axes[0], results):
-        modes = list(res["modes"])
-        for j, stat in enumerate(("mean", "p50", "p99")):
-            ax.bar([i + 0.27 * j for i in range(len(modes))], [res["modes"][m][stat] for m in modes], width=0.27,
-                   label=stat)
-        ax.set_xticks([i + 0.27 for i in range(len(modes))], modes, rotation=20, fontsize=7)
-        ax.set_title(f"batch of {len(res['lengths'])}")
-        ax.set_ylabel("TTFT (s)")
-        ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(path, draw, panels=len(results), size=(4.5, 4.0))
 
 
 def jsonable(data):

@@ -144,10 +144,11 @@ def bench_restore(
     result: dict = {"model": model, "chunk_tokens": 256, "query": query_len, "repeats": repeats,
                     "threads": cost.threads, "recompute_rate_mib_s": cost.short_context_rate() / 2**20}
     if batch_sizes:
-        bench = rb.make_bench(runner, cost, [], query_len=query_len, progress=status)
+        batches = [rb.batch_lengths(size, seed=size) for size in batch_sizes]
+        bench = rb.make_bench(runner, cost, [n for lengths in batches for n in lengths], query_len=query_len,
+                              progress=status, store=False)
         try:
-            result["batches"] = [rb.measure_batch(bench, rb.batch_lengths(size, seed=size), 1.0, repeats, status)
-                                 for size in batch_sizes]
+            result["batches"] = [rb.measure_batch(bench, lengths, 1.0, repeats, status) for lengths in batches]
         finally:
             bench.close()
         rb.plot_batch(result["batches"], folder / "batch.png", f"{model}, rho=1: batch-aware vs FCFS")
