@@ -45,6 +45,8 @@ def test_models_json_has_kv_bytes_per_dtype():
     (["profile", "tiny", "--bogus"], "--bogus"),
     (["demo", "--model", "nosuch"], "unknown model"),
     (["demo", "--rho", "-1"], "--rho"),
+    (["demo", "--dtype", "int3"], "dtype"),
+    (["profile", "tiny", "--dtype", "float8"], "dtype"),
     (["bench", "restore", "--rho", "a,b"], "--rho"),
     (["nosuchcommand"], "nosuchcommand"),
 ])

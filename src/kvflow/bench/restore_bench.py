@@ -54,9 +54,10 @@ class Bench:
     contexts: dict = field(default_factory=dict)
     refs: dict = field(default_factory=dict)
     tmp: tempfile.TemporaryDirectory | None = None
+    storage_dtype: str = "float32"   # KV records; only float32 restores exactly
 
     def restorer(self, pool_name: str) -> Restorer:
-        return Restorer(self.runner, self.pools[pool_name], cost=self.cost)
+        return Restorer(self.runner, self.pools[pool_name], cost=self.cost, storage_dtype=self.storage_dtype)
 
     def add_context(self, n: int, key=None, seed: int | None = None) -> None:
         """Store an ``n``-token context (random tokens from ``seed``) under ``key`` (default: n) in every pool and
@@ -84,12 +85,13 @@ class Bench:
 
 
 def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: int = 256, query_len: int = 32,
-               disk_dir: str | None = None, progress: Progress = lambda s: None, store: bool = True) -> Bench:
+               disk_dir: str | None = None, progress: Progress = lambda s: None, store: bool = True,
+               storage_dtype: str = "float32") -> Bench:
     """A throttled memory pool (two devices, striped) and, with ``disk_dir``, an O_DIRECT extent file there, sized
     for contexts of ``lengths`` (stored now unless ``store`` is false)."""
     kv = runner.kv_bytes_per_token()
     need = ((int(sum(lengths) * kv * 1.3) >> 20) + 64) << 20  # whole MiB: extent devices want aligned sizes
-    bench = Bench(runner, cost, chunk_tokens, query_len)
+    bench = Bench(runner, cost, chunk_tokens, query_len, storage_dtype=storage_dtype)
     bench.pools["memory"] = KVPool.memory(need, devices=2, chunk_tokens=chunk_tokens)
     if disk_dir is not None:
         bench.tmp = tempfile.TemporaryDirectory(prefix="kvflow-bench-", dir=disk_dir)

@@ -76,6 +76,8 @@ def demo(
     context_len: int = typer.Option(4096, "--context", min=256, help="context tokens to store and restore"),
     query_len: int = typer.Option(32, "--query", min=1, help="new tokens after the context"),
     rho: float = typer.Option(1.0, min=0.01, help="I/O-to-compute ratio the pool is throttled to"),
+    dtype: str = typer.Option("float32", help="KV storage dtype: float32 (exact), bfloat16 or float16 (half the "
+                                              "bytes, not exact: the table shows by how much)"),
     out: Optional[Path] = typer.Option(None, help="where to write the timeline PNG and JSON"),
     as_json: bool = typer.Option(False, "--json", help="print the results as JSON"),
 ) -> None:
@@ -86,10 +88,12 @@ def demo(
     from kvflow.model import load_model
     from kvflow.planner import STRATEGIES
 
+    from kvflow.model import parse_dtype
+    storage = str(parse_dtype(dtype)).removeprefix("torch.")   # a bad dtype is an error before any work
     status(f"building {model}")
     runner = load_model(model)
     cost = ensure_cost(runner, max(context_len, 2048))
-    bench = make_bench(runner, cost, [context_len], query_len=query_len, progress=status)
+    bench = make_bench(runner, cost, [context_len], query_len=query_len, progress=status, storage_dtype=storage)
     try:
         bench.pools["memory"].set_throttle(rho_bandwidth(bench, rho))
         rows = measure(bench, "memory", context_len, STRATEGIES, 1, status, "demo")
