@@ -151,27 +151,27 @@ class Executor:
         remaining = list(query_order)
 
         def serve_ready(wait: bool) -> None:
-            """Run the query of every request whose grid is whole; with ``wait``, block until all are served."""
+            """Run the queries of the requests whose grids are whole, then their LM heads in one pass; with
+            ``wait``, block until all are served."""
             while remaining:
-                ready = None
                 with cond:
-                    for r in remaining:
-                        if boards[r].grid_whole(jobs[r].plan, io_done.is_set()):
-                            ready = r
-                            break
-                    if ready is None:
+                    ready = [r for r in remaining if boards[r].grid_whole(jobs[r].plan, io_done.is_set())]
+                    if not ready:
                         if not wait:
                             return
                         head = remaining[0]
                         if jobs[head].plan.pipelined_query and not jobs[head].plan.dynamic_meet:
-                            ready = head           # static pipelined: start now, layer by layer
+                            ready = [head]         # static pipelined: start now, layer by layer
                         else:
                             w0 = clock()
                             cond.wait(0.05)
                             boards[remaining[0]].blocked += clock() - w0
                             continue
-                remaining.remove(ready)
-                results[ready] = self._finish(jobs[ready], boards[ready], cond, io_done, io_error, clock)
+                for r in ready:
+                    remaining.remove(r)
+                done = [(r, *self._finish(jobs[r], boards[r], cond, io_done, io_error, clock)) for r in ready]
+                self._heads(done, boards, clock)
+                results.update((r, ex) for r, ex, _ in done)
 
         def tell_link(r: int) -> None:
             if jobs[r].link is not None and boards[r].compute_left == 0 and not boards[r].told_link:
@@ -336,9 +336,11 @@ class Executor:
             board.events.append(Event("wait", (a, b), (0, 0), w0, w1))
         return hidden
 
-    def _finish(self, job: Job, board: _Board, cond, io_done, io_error, clock) -> Execution:
+    def _finish(self, job: Job, board: _Board, cond, io_done, io_error,
+                clock) -> tuple[Execution, torch.Tensor | None]:
         """Recompute failed chunks if any, run tail + query (layer by layer for a static pipelined plan,
-        waiting only for each layer's cells), then the LM head."""
+        waiting only for each layer's cells). Returns the execution and the query's last hidden states (None for a
+        pipeline stage); the LM head runs in :meth:`_heads`."""
         plan, runner, L, C = job.plan, self.runner, job.plan.num_layers, job.plan.chunk_tokens
         s0, s1 = plan.suffix
         pieces = [(a, min(a + plan.step_tokens, s1)) for a in range(s0, s1, plan.step_tokens)]
@@ -383,18 +385,27 @@ class Executor:
                               compute_busy_s=board.compute_busy, io_busy_s=0.0, blocked_io_s=board.blocked,
                               lower_bound_s=plan.lower_bound_s or 0.0,
                               predicted_ttft_s=plan.predicted.ttft_s if plan.predicted else 0.0)
-            return Execution(job.cache, None, [], timings, fallback, complete)
+            return Execution(job.cache, None, [], timings, fallback, complete), None
         if first_layer < L:
             self._query(job, board, hidden, pieces, (first_layer, L), clock)
-        start = clock()
-        logits = runner.logits(hidden[pieces[-1][0]])
-        end = clock()
-        board.events.append(Event("head", (s1 - 1, s1), (L, L), start, end))
-        timings = Timings(ttft_s=end, restore_s=restore_end, grid_compute_end_s=board.grid_compute_end,
+        timings = Timings(ttft_s=0.0, restore_s=restore_end, grid_compute_end_s=board.grid_compute_end,
                           compute_busy_s=board.compute_busy, io_busy_s=0.0, blocked_io_s=board.blocked,
                           lower_bound_s=plan.lower_bound_s or 0.0,
                           predicted_ttft_s=plan.predicted.ttft_s if plan.predicted else 0.0)
-        return Execution(job.cache, logits, [], timings, fallback, complete)
+        return Execution(job.cache, None, [], timings, fallback, complete), hidden[pieces[-1][0]]
+
+    def _heads(self, done, boards, clock) -> None:
+        """The LM head of every request just served, in one pass over its weights (memory-bound for one token)."""
+        done = [(r, ex, h) for r, ex, h in done if h is not None]
+        if not done:
+            return
+        start = clock()
+        logits = self.runner.logits_many([h for _, _, h in done])
+        end = clock()
+        for (r, ex, _), lg in zip(done, logits):
+            ex.logits, ex.timings.ttft_s = lg, end
+            s1, layers = ex.cache.capacity, ex.cache.num_layers
+            boards[r].events.append(Event("head", (s1 - 1, s1), (layers, layers), start, end))
 
     def _query(self, job: Job, board: _Board, hidden, pieces, layers, clock) -> None:
         """Tail + query through ``layers``, piece by piece (each piece sees the ones before it)."""

@@ -95,7 +95,7 @@ def _request_plan(planner: Planner, req: Request, r: int, meet: int, compute_ord
     L = planner.L
     return planner._base("cacheflow-batch", req, [L] * meet + [0] * (req.stored_chunks - meet),
                          compute=tuple(s for q, s in compute_order if q == r),
-                         loads=tuple(s for q, s in io_order if q == r), dynamic_meet=True)
+                         loads=tuple(s for q, s in io_order if q == r), dynamic_meet=True, cell_meet=True)
 
 
 def simulate_batch(planner: Planner, plans, compute_order, io_order, query_order) -> list[float]:

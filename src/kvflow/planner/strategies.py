@@ -10,7 +10,7 @@ builder here; the executor runs them all the same way, so comparisons differ onl
     layer            lower layers recomputed for every token, upper layers loaded; cut from the cost model
     staircase        best token x layer staircase the cost model finds
     cacheflow        the predicted-fastest of token / layer / staircase / load-layerwise / recompute (a static
-                     plan must beat the run-time-corrected token plan by ``static_margin``)
+                     plan must beat the run-time-corrected token plan by ``static_margin``, 1%)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ STRATEGIES = ("recompute", "load", "load-layerwise", "cake", "token", "layer", "
 @dataclass(slots=True)
 class PlannerConfig:
     max_step: int = 1024          # largest compute step in tokens (bigger steps amortise per-call overhead)
-    static_margin: float = 0.05   # a static plan must be predicted this much faster than `token` to be chosen
+    static_margin: float = 0.01   # a static plan must be predicted this much faster than `token` to be chosen
     near_meet_chunks: int = 2     # `token` uses single-chunk steps this close to the predicted meet
 
     def validate(self) -> None:
