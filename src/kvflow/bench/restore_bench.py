@@ -308,10 +308,11 @@ def plot_batch(results: list[dict], path: Path, title: str) -> None:
                 ax.bar([i + 0.27 * j for i in range(len(modes))], [res["modes"][m][stat] for m in modes],
                        width=0.27, label=stat)
             ax.set_xticks([i + 0.27 for i in range(len(modes))], modes, rotation=20, fontsize=7)
-            ax.set(title=f"{title}: batch of {len(res['lengths'])}", ylabel="TTFT (s)")
-            ax.legend(fontsize=7)
+            ax.set(title=f"batch of {len(res['lengths'])}", ylabel="TTFT (s)")
+            ax.legend(fontsize=7, loc="upper left")
+        axes[0].figure.suptitle(title, fontsize=10)
 
-    save_figure(path, draw, panels=len(results), size=(4.5, 4.0))
+    save_figure(path, draw, panels=len(results), size=(4.5, 4.2))
 
 
 def jsonable(data):
