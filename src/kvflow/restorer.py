@@ -22,6 +22,7 @@ import torch
 
 from kvflow.chunks.keys import ChunkKey, chunk_keys, layer_groups
 from kvflow.chunks.record import HEADER_SIZE
+from kvflow.cost.calibration import Calibration
 from kvflow.cost.model import CostModel, default_profile_path
 from kvflow.errors import KVFlowError
 from kvflow.executor import Event, Executor, Job, Timings
@@ -83,9 +84,13 @@ def load_cost_model(runner: ModelRunner, *, profile_if_missing: bool = True, max
 
 class Restorer:
     def __init__(self, runner: ModelRunner, pool, *, cost: CostModel | None = None,
-                 planner: PlannerConfig | None = None, storage_dtype: torch.dtype | str | None = None):
+                 planner: PlannerConfig | None = None, storage_dtype: torch.dtype | str | None = None,
+                 calibrate: bool = True):
         self.runner, self.pool = runner, pool
         self.cost = cost or load_cost_model(runner)
+        # measured / predicted speed, folded in after every restoration (cost/calibration.py); None: plan on the
+        # profiled model as it is
+        self.calibration = Calibration() if calibrate else None
         self.planner_config = planner or PlannerConfig()
         self.storage_dtype = storage_dtype
         self.executor = Executor(runner, pool)
@@ -149,12 +154,25 @@ class Restorer:
         return parse_dtype(self.storage_dtype or "float32")
 
     # ------------------------------------------------------------------------------------ planning
-    def io_model(self) -> IOModel:
+    def io_model(self, calibrated: bool = True) -> IOModel:
         cell = self.chunk_tokens * self.cost.kv_bytes_per_token_layer * self._dtype().itemsize // 4 + HEADER_SIZE
-        return IOModel(bandwidth=float(self.pool.read_bandwidth), cell_bytes=cell)
+        bandwidth = float(self.pool.read_bandwidth)
+        if calibrated and self.calibration is not None:
+            bandwidth /= self.calibration.io
+        return IOModel(bandwidth=bandwidth, cell_bytes=cell)
+
+    def planned_cost(self) -> CostModel:
+        """The cost model plans are made with: the profile, scaled by the speed measured since."""
+        return self.cost if self.calibration is None else self.calibration.scaled(self.cost)
 
     def planner(self) -> Planner:
-        return Planner(self.cost, self.io_model(), self.runner.num_layers, self.chunk_tokens, self.planner_config)
+        return Planner(self.planned_cost(), self.io_model(), self.runner.num_layers, self.chunk_tokens,
+                       self.planner_config)
+
+    def _observe(self, events) -> None:
+        if self.calibration is not None:
+            self.calibration.observe(events, self.cost, self.io_model(calibrated=False).cells_time(1),
+                                     self.chunk_tokens)
 
     def lookup(self, context_ids: torch.Tensor, query_len: int) -> tuple[Request, list[list[ChunkKey]]]:
         """Record keys of the context and how many of its chunks (a prefix) the pool holds."""
@@ -177,6 +195,7 @@ class Restorer:
         plan, keys, lookup = self.plan(ctx, query.numel(), strategy)
         planned = time.perf_counter()
         execution = self.executor.run(plan, keys, torch.cat([ctx, query]))
+        self._observe(execution.timeline)
         timings = execution.timings
         timings.lookup_s, timings.plan_s = lookup, planned - t0 - lookup
         timings.ttft_s += planned - t0
@@ -213,6 +232,7 @@ class Restorer:
         jobs = [Job(plan, keys, torch.cat(pair)) for plan, (_, keys), pair in zip(batch.plans, looked, pairs)]
         executions = self.executor.run_batch(jobs, list(batch.compute_order), list(batch.io_order),
                                              list(batch.query_order))
+        self._observe([e for ex in executions for e in ex.timeline])
         results = []
         for plan, pair, ex in zip(batch.plans, pairs, executions):
             ex.timings.lookup_s, ex.timings.plan_s = lookup, planned - t0 - lookup

@@ -55,9 +55,14 @@ class Bench:
     refs: dict = field(default_factory=dict)
     tmp: tempfile.TemporaryDirectory | None = None
     storage_dtype: str = "float32"   # KV records; only float32 restores exactly
+    restorers: dict = field(default_factory=dict)
 
     def restorer(self, pool_name: str) -> Restorer:
-        return Restorer(self.runner, self.pools[pool_name], cost=self.cost, storage_dtype=self.storage_dtype)
+        """One restorer per pool for the whole run, so its run-time calibration carries from point to point."""
+        if pool_name not in self.restorers:
+            self.restorers[pool_name] = Restorer(self.runner, self.pools[pool_name], cost=self.cost,
+                                                 storage_dtype=self.storage_dtype)
+        return self.restorers[pool_name]
 
     def add_context(self, n: int, key=None, seed: int | None = None) -> None:
         """Store an ``n``-token context (random tokens from ``seed``) under ``key`` (default: n) in every pool and
@@ -145,7 +150,9 @@ def measure(bench: Bench, pool_name: str, n: int, strategies, repeats: int, prog
 
 
 def rho_bandwidth(bench: Bench, rho: float) -> float:
-    return bench.cost.bandwidth_for_rho(rho, bench.chunk_tokens)
+    """rho x the rate recompute produces KV bytes at short context — at the speed the machine runs now (the
+    profile scaled by the run-time calibration of the memory pool's restorer)."""
+    return bench.restorer("memory").planned_cost().bandwidth_for_rho(rho, bench.chunk_tokens)
 
 
 def speedups(rows: dict[str, dict]) -> dict:
