@@ -13,14 +13,16 @@ from dataclasses import dataclass, replace
 
 from kvflow.cost.model import CostModel
 
-COMPUTE_KINDS = ("compute", "fallback", "query")
+# grid steps only: the query (a few tokens against a long cache) is another regime of the kernels, and its few
+# tens of milliseconds would swing the grid's ratio
+COMPUTE_KINDS = ("compute", "fallback")
 
 
 @dataclass(slots=True)
 class Calibration:
     compute: float = 1.0          # measured / predicted compute seconds
     io: float = 1.0               # measured / predicted load seconds
-    weight: float = 0.5           # of the newest observation
+    weight: float = 0.3           # of the newest observation
     min_sample_s: float = 0.02    # ignore a side that worked less than this in one restoration (noise)
 
     def observe(self, events, cost: CostModel, seconds_per_cell: float, chunk_tokens: int) -> None:

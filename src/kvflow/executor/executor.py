@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -83,7 +85,8 @@ class _Board:
         self.compute_left = 0                          # compute-order items not yet run or skipped
         self.compute_stopped = False                   # inputs ran out / the meet guard ended the compute side
         self.compute_actual = self.compute_predicted = 0.0   # meet guard: measured vs predicted compute seconds
-        self.io_chunk_s = 0.0                          # meet guard: last chunk load's duration
+        self.io_chunk_s = 0.0                          # meet guard: I/O seconds per chunk so far
+        self.io_loaded, self.io_loaded_s = 0, 0.0      # ... chunks landed, I/O busy seconds for them
         self.io_started = None                         # meet guard: when the load in flight began
         self.told_link = False
         self.shared: int | None = None                 # cell meet: the chunk both sides share, layer by layer ...
@@ -303,14 +306,15 @@ class Executor:
     def _guard(plan: Plan, board: _Board, a: int, b: int, clock) -> tuple[int, bool]:
         """Lock held. Dynamic meet with the plan's guard: shorten the step [a, b) while its last chunk would be
         recomputed later than the I/O side could load it (after the chunks above it and the load in flight).
-        Predictions are scaled by the compute speed measured so far; the I/O side's pace is its last chunk load.
+        Predictions are scaled by the compute speed measured so far; the I/O side's pace is its mean per chunk.
         Until a load has landed the plan stands. Returns (end, shortened: the compute side's last step)."""
         if not (plan.chunk_compute_s and plan.chunk_io_s and board.io_chunk_s) or b <= a:
             return b, False
         C, now = plan.chunk_tokens, clock()
         speed = board.compute_actual / board.compute_predicted if board.compute_predicted else 1.0
         io = board.io_chunk_s
-        in_flight = max(0.0, io - (now - board.io_started)) if board.io_started is not None else 0.0
+        in_flight = (max(0.0, io - (now - board.io_started)) + io * (board.in_flight - 1)
+                     if board.io_started is not None and board.in_flight else 0.0)
         c0, c1 = a // C, b // C
         end = c1
         while end > c0 and speed * sum(plan.chunk_compute_s[c0:end]) > in_flight + io * (board.hi - end + 1):
@@ -441,56 +445,95 @@ class Executor:
                 cond.notify_all()
 
     def _io_loop(self, jobs, boards, io_order, cond, io_events, io_error, io_done, clock) -> None:
+        """Reads run ahead: up to ``depth`` loads are in the pool at once (``depth`` = its devices, at least 2), so a
+        device that finished its share of one read starts on the next instead of idling while another finishes
+        (a read of one layer's records, or of an odd number of them, is never spread evenly). Loads land — are
+        written into the cache and become visible — in order. A dynamic-meet load is claimed when it is issued;
+        near the meet (two unclaimed chunks or fewer) claims wait until nothing is in flight, so running ahead
+        never takes a chunk from the compute side."""
+        depth = max(2, getattr(self.pool, "parallelism", 1))
+        flight: deque = deque()          # (r, chunks, layers, keys, future, issued)
+        landed = [0.0]                   # when the last load landed: the next one's busy time starts there
+
+        def land() -> None:
+            r, (c0, c1), (l0, l1), wanted, fut, issued = flight.popleft()
+            job, board = jobs[r], boards[r]
+            C = job.plan.chunk_tokens
+            got = fut.result()
+            failures: dict[int, int] = {}
+            for key in wanted:  # hot path: one copy per record into the cache (dtype cast included)
+                tensor = got.get(key)
+                if tensor is None:
+                    i, layer = key.tokens[0] // C, key.layers[0] - job.plan.layer_offset
+                    failures[i] = min(failures.get(i, layer), layer)
+                else:
+                    job.cache.write_block(tensor, key.tokens, key.layers)
+            end = clock()
+            start, landed[0] = max(issued, landed[0]), end
+            io_events.append((r, Event("load", (c0 * C, c1 * C), (l0, l1), start, end)))
+            with cond:
+                for i, layer in failures.items():
+                    board.failed[i] = min(board.failed.get(i, layer), layer)
+                if job.plan.dynamic_meet:
+                    board.in_flight -= 1
+                    board.io_loaded += 1       # reads in flight together land together: pace = mean busy / chunk
+                    board.io_loaded_s += end - start
+                    board.io_chunk_s = board.io_loaded_s / board.io_loaded
+                    board.io_started = end if board.in_flight else None
+                else:
+                    for layer in range(l0, l1):
+                        board.pending[layer] -= c1 - c0
+                cond.notify_all()
+
+        def drain() -> None:
+            while flight:
+                land()
+
+        fetcher = ThreadPoolExecutor(depth, thread_name_prefix="kvflow-fetch")
         try:
             for r, step in io_order:
                 job, board = jobs[r], boards[r]
-                C = job.plan.chunk_tokens
                 (c0, c1), (l0, l1) = step.chunks, step.layers
                 if job.plan.dynamic_meet:
-                    with cond:
-                        shared = job.plan.cell_meet and job.link is None and (
-                            board.shared == c0 or (board.shared is None and c0 == board.lo == board.hi - 1))
-                        if shared:
-                            board.shared = c0
-                            if board.shared_visited[1]:
-                                continue
-                            board.shared_visited[1] = True
-                        elif c0 < board.lo or board.shared is not None:
-                            continue       # the compute side got here first
-                        else:
-                            assert c1 == board.hi and c1 - c0 == 1, "dynamic loads must walk backward by one chunk"
-                            board.hi = c0
-                            board.in_flight += 1
-                            board.io_started = clock()
+                    shared = False
+                    while True:
+                        with cond:
+                            near = board.hi - board.lo <= 2 or board.shared is not None
+                            if not (near and any(f[0] == r for f in flight)):
+                                shared = job.plan.cell_meet and job.link is None and (
+                                    board.shared == c0 or (board.shared is None and c0 == board.lo == board.hi - 1))
+                                if shared:
+                                    board.shared = c0
+                                    skip = board.shared_visited[1]
+                                    board.shared_visited[1] = True
+                                elif c0 < board.lo or board.shared is not None:
+                                    skip = True      # the compute side got here first
+                                else:
+                                    assert c1 == board.hi and c1 - c0 == 1, \
+                                        "dynamic loads must walk backward by one chunk"
+                                    skip = False
+                                    board.hi = c0
+                                    board.in_flight += 1
+                                    if board.io_started is None:
+                                        board.io_started = clock()
+                                break
+                        land()                       # near the meet: let what is in flight land, then decide
+                    if skip:
+                        continue
                     if shared:
+                        drain()
                         self._load_shared(job, board, c0, cond, io_events, r, clock)
+                        landed[0] = clock()
                         continue
                 wanted = [job.keys[i][layer] for i in range(c0, c1) for layer in range(l0, l1)]
-                start = clock()
-                got = self.pool.get_many(wanted)
-                failures: dict[int, int] = {}
-                for key in wanted:  # hot path: one copy per record into the cache (dtype cast included)
-                    tensor = got.get(key)
-                    if tensor is None:
-                        i, layer = key.tokens[0] // C, key.layers[0] - job.plan.layer_offset
-                        failures[i] = min(failures.get(i, layer), layer)
-                    else:
-                        job.cache.write_block(tensor, key.tokens, key.layers)
-                end = clock()
-                io_events.append((r, Event("load", (c0 * C, c1 * C), (l0, l1), start, end)))
-                with cond:
-                    for i, layer in failures.items():
-                        board.failed[i] = min(board.failed.get(i, layer), layer)
-                    if job.plan.dynamic_meet:
-                        board.in_flight -= 1
-                        board.io_chunk_s, board.io_started = end - start, None
-                    else:
-                        for layer in range(l0, l1):
-                            board.pending[layer] -= c1 - c0
-                    cond.notify_all()
+                flight.append((r, (c0, c1), (l0, l1), wanted, fetcher.submit(self.pool.get_many, wanted), clock()))
+                while len(flight) >= depth:
+                    land()
+            drain()
         except BaseException as err:  # surfaced on the compute thread
             io_error.append(err)
         finally:
+            fetcher.shutdown(wait=True)      # no read outlives the run (the pool unpins when each ends)
             with cond:
                 io_done.set()
                 cond.notify_all()
