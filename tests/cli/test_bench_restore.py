@@ -40,4 +40,7 @@ def test_batch_mode_compares_schedulers(tmp_path):
     (batch,) = result["batches"]
     assert len(batch["lengths"]) == 3 and batch["max_abs_diff"] <= 1e-4
     assert set(batch["modes"]) == {"cacheflow/batch", "cake/fcfs", "token/fcfs", "cacheflow/fcfs"}
+    # the whole-batch bound is a bound: no measured schedule finishes its last request before it
+    assert 0 < batch["lower_bound_s"] <= min(m["max"] for m in batch["modes"].values()) * 1.05
+    assert "whole-batch T*" in proc.stdout
     assert (tmp_path / "out" / "batch.png").stat().st_size > 10_000

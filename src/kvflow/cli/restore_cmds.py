@@ -259,3 +259,6 @@ def _print_batches(batches: list[dict]) -> None:
         console.print(table)
         console.print("batch-aware / FCFS cake: " + ", ".join(f"{k} {v:.2f}x"
                                                              for k, v in res["batch_vs_fcfs_cake"].items()))
+        console.print(f"whole-batch T* {res['lower_bound_s']:.3f} s = {res['lower_bound_vs_fcfs_cake_max']:.2f}x "
+                      f"FCFS cake's last TTFT (no schedule's last request can finish sooner); batch-aware's last "
+                      f"TTFT = {res['batch_max_vs_lower_bound']:.2f}x T*")
