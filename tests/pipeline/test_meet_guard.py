@@ -38,10 +38,13 @@ def test_a_compute_side_faster_than_planned_claims_more():
 def test_the_load_in_flight_counts_before_the_io_side_reaches_a_chunk():
     p = plan(chunk_compute_s=(0.01,) * 5 + (0.08,) * 5, chunk_io_s=0.05)
     b = board(p, hi=6, io_chunk_s=0.05)
+    b.in_flight = 1
     b.io_started = 0.0      # chunk 6's load just began: the I/O side reaches chunk 5 at 0.05 + 0.05 > 0.09
     assert Executor._guard(p, b, 4 * C, 6 * C, lambda: 0.0) == (6 * C, False)
     b.io_started = -0.05    # it is landing now: chunk 5 would be loaded at 0.05 < 0.09, so compute leaves it
     assert Executor._guard(p, b, 4 * C, 6 * C, lambda: 0.0) == (5 * C, True)
+    b.in_flight = 2         # reads run ahead: one more chunk is queued behind the landing one -> 0.10 > 0.09
+    assert Executor._guard(p, b, 4 * C, 6 * C, lambda: 0.0) == (6 * C, False)
 
 
 def test_without_guard_data_or_before_any_load_landed_the_plan_stands():
