@@ -94,3 +94,21 @@ def test_a_read_that_fails_in_flight_ends_the_restore_with_its_error(tiny):
     assert pool.now == 0, "no read may outlive the restore"
     restorer.restore(context, ids(3, 6), "load")   # the executor is usable again
     assert torch.isfinite(restorer.restore(context, ids(3, 6), "cacheflow").logits).all()
+
+
+def test_dynamic_claims_run_ahead_only_far_from_the_meet():
+    from kvflow.executor.executor import Executor, Job, _Board
+    from kvflow.planner.plan import Plan
+
+    plan = Plan("token", 10 * 32, 1, 32, 4, (0,) * 10, compute=(), loads=(), dynamic_meet=True)
+    job, board = Job(plan, [], torch.zeros(321, dtype=torch.long)), _Board(plan)
+    board.lo, board.hi = 3, 10
+    mine, other = [(0, None)], [(1, None)]
+    assert Executor._claim(job, board, 0, (9, 10), mine, lambda: 1.0) == "load"     # far: issue it now
+    assert (board.hi, board.in_flight, board.io_started) == (9, 1, 1.0)
+    board.hi = 5                                                                   # two chunks left: near
+    assert Executor._claim(job, board, 0, (4, 5), mine, lambda: 2.0) is None       # wait for our read to land
+    assert board.hi == 5
+    assert Executor._claim(job, board, 0, (4, 5), other, lambda: 2.0) == "load"    # another request's read: go
+    board.lo = 5
+    assert Executor._claim(job, board, 0, (3, 4), [], lambda: 3.0) == "skip"       # compute got there first

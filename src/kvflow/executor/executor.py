@@ -444,6 +444,29 @@ class Executor:
                 board.in_flight -= 1
                 cond.notify_all()
 
+    @staticmethod
+    def _claim(job: Job, board: _Board, r: int, chunks: tuple[int, int], flight, clock) -> str | None:
+        """Lock held. The I/O side's claim of dynamic-meet chunk ``chunks[0]``: "load" (claimed), "shared" (the
+        cell meet's chunk, first visit), "skip" (the compute side got there first, or the shared chunk was
+        visited), or None: near the meet with a read of this request still in flight — land it, then decide."""
+        c0, c1 = chunks
+        if (board.hi - board.lo <= 2 or board.shared is not None) and any(f[0] == r for f in flight):
+            return None
+        if job.plan.cell_meet and job.link is None and (
+                board.shared == c0 or (board.shared is None and c0 == board.lo == board.hi - 1)):
+            board.shared = c0
+            first = not board.shared_visited[1]
+            board.shared_visited[1] = True
+            return "shared" if first else "skip"
+        if c0 < board.lo or board.shared is not None:
+            return "skip"
+        assert c1 == board.hi and c1 - c0 == 1, "dynamic loads must walk backward by one chunk"
+        board.hi = c0
+        board.in_flight += 1
+        if board.io_started is None:
+            board.io_started = clock()
+        return "load"
+
     def _io_loop(self, jobs, boards, io_order, cond, io_events, io_error, io_done, clock) -> None:
         """Reads run ahead: up to ``depth`` loads are in the pool at once (``depth`` = its devices, at least 2), so a
         device that finished its share of one read starts on the next instead of idling while another finishes
@@ -495,32 +518,15 @@ class Executor:
                 job, board = jobs[r], boards[r]
                 (c0, c1), (l0, l1) = step.chunks, step.layers
                 if job.plan.dynamic_meet:
-                    shared = False
                     while True:
                         with cond:
-                            near = board.hi - board.lo <= 2 or board.shared is not None
-                            if not (near and any(f[0] == r for f in flight)):
-                                shared = job.plan.cell_meet and job.link is None and (
-                                    board.shared == c0 or (board.shared is None and c0 == board.lo == board.hi - 1))
-                                if shared:
-                                    board.shared = c0
-                                    skip = board.shared_visited[1]
-                                    board.shared_visited[1] = True
-                                elif c0 < board.lo or board.shared is not None:
-                                    skip = True      # the compute side got here first
-                                else:
-                                    assert c1 == board.hi and c1 - c0 == 1, \
-                                        "dynamic loads must walk backward by one chunk"
-                                    skip = False
-                                    board.hi = c0
-                                    board.in_flight += 1
-                                    if board.io_started is None:
-                                        board.io_started = clock()
-                                break
+                            claim = self._claim(job, board, r, (c0, c1), flight, clock)
+                        if claim is not None:
+                            break
                         land()                       # near the meet: let what is in flight land, then decide
-                    if skip:
+                    if claim == "skip":
                         continue
-                    if shared:
+                    if claim == "shared":
                         drain()
                         self._load_shared(job, board, c0, cond, io_events, r, clock)
                         landed[0] = clock()
