@@ -81,14 +81,19 @@ def _corrupt(pool, key):
     getattr(device, "inner", device)._mem[offset + 200] ^= 0x55
 
 
-def test_inputs_that_run_out_stop_the_compute_side_and_io_covers_the_rest(tiny):
-    chunk, n = 32, 320
+def _stored(tiny, seed: int, boundary: int, n: int = 320, chunk: int = 32):
+    """A context of ``n`` tokens stored with its activations at ``boundary``: (restorer, pool, context, query, keys)."""
     pool = KVPool.memory("64M", chunk_tokens=chunk)
     restorer = Restorer(tiny, pool, cost=synthetic_cost(tiny))
-    context, query = ids(n, 3), ids(4, 4)
-    restorer.store(context, boundaries=[2])
+    context, query = ids(n, seed), ids(4, seed + 1)
+    restorer.store(context, boundaries=[boundary])
+    return restorer, pool, context, query, restorer.keys(context)
+
+
+def test_inputs_that_run_out_stop_the_compute_side_and_io_covers_the_rest(tiny):
+    chunk, n = 32, 320
+    restorer, pool, context, query, keys = _stored(tiny, 3, 2, n, chunk)
     N = n // chunk
-    keys = restorer.keys(context)
     _corrupt(pool, restorer.act_keys(context, 2)[2])
     pool.set_throttle(restorer.cost.short_context_rate(chunk) * 0.5)     # slow I/O: compute would go far
     sp = planner(restorer, chunk).plan(Request(n, 4, N), [(0, 2), (2, 4)], [pool.read_bandwidth] * 2,
@@ -107,12 +112,8 @@ def test_inputs_that_run_out_stop_the_compute_side_and_io_covers_the_rest(tiny):
 
 def test_a_chunk_without_kv_and_without_inputs_is_reported_not_faked(tiny):
     chunk, n = 32, 320
-    pool = KVPool.memory("64M", chunk_tokens=chunk)
-    restorer = Restorer(tiny, pool, cost=synthetic_cost(tiny))
-    context, query = ids(n, 5), ids(4, 6)
-    restorer.store(context, boundaries=[1])
+    restorer, pool, context, query, keys = _stored(tiny, 5, 1, n, chunk)
     N = n // chunk
-    keys = restorer.keys(context)
     _corrupt(pool, restorer.act_keys(context, 1)[6])
     _corrupt(pool, keys[6][2])                                         # chunk 6, layer 2 (stage 1's second layer)
     sp = planner(restorer, chunk).plan(Request(n, 4, N), [(0, 1), (1, 4)], [pool.read_bandwidth] * 2,

@@ -64,6 +64,17 @@ def write_json(path: str | Path, data) -> Path:
     return path
 
 
+def report(results: dict, folder: Path, tables, as_json: bool, footer: str) -> None:
+    """Write ``folder/results.json``; print the results as JSON, or the ``(title, rows)`` tables and ``footer``."""
+    write_json(folder / "results.json", results)
+    if as_json:
+        print(json.dumps(results, indent=2, default=str))
+        return
+    for title, rows in tables:
+        print_table(title, rows)
+    Console().print(footer)
+
+
 def save_figure(path: str | Path, draw: Callable[[list], None], panels: int = 1, size=(5.0, 3.6)) -> Path:
     """One row of ``panels`` axes, filled by ``draw(axes)``, saved as PNG without a display."""
     import matplotlib

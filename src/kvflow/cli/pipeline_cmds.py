@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -61,7 +60,7 @@ def bench_pipeline(
 ) -> None:
     """Independent (boundary activations) vs sequential vs 1-stage restoration: TTFT, speedup vs the ideal, T*."""
     from kvflow.bench import pipeline_bench
-    from kvflow.bench.common import out_dir, print_table, write_json
+    from kvflow.bench.common import out_dir, report
 
     handoffs = [h.strip() for h in handoff.split(",") if h.strip()]
     if not handoffs or any(h not in ("stage", "step") for h in handoffs):
@@ -75,11 +74,6 @@ def bench_pipeline(
     log = Console(stderr=True)
     folder = out_dir("pipeline", out)
     results = pipeline_bench.run(cfg, progress=lambda s: log.log(s) if not as_json else None)
-    write_json(folder / "results.json", results)
     pngs = pipeline_bench.figure(results, folder)
-    if as_json:
-        print(json.dumps(results, indent=2, default=str))
-        return
-    for title, rows in pipeline_bench.tables(results):
-        print_table(title, rows)
-    Console().print(f"results: {folder / 'results.json'}; timelines: {', '.join(str(p) for p in pngs)}")
+    report(results, folder, pipeline_bench.tables(results), as_json,
+           f"results: {folder / 'results.json'}; timelines: {', '.join(str(p) for p in pngs)}")

@@ -110,18 +110,13 @@ def bench_pool(quick: bool = typer.Option(False, "--quick", help="small sizes, o
                record_kib: int = typer.Option(256, help="record size for extent vs files")) -> None:
     """Striping vs sum of devices vs equal/overflow; passthrough vs files on the real disk; lookup cost."""
     from kvflow.bench import pool_bench
-    from kvflow.bench.common import out_dir, print_table, write_json
+    from kvflow.bench.common import out_dir, report
     if disk_dir is not None and not disk_dir.is_dir():
         raise ConfigError(f"--disk-dir {disk_dir} is not a folder")
     console = Console(stderr=True)
     folder = out_dir("pool", out)
     results = pool_bench.run(quick=quick, disk_dir=str(disk_dir) if disk_dir else None, record_kib=record_kib,
                              progress=lambda s: console.log(s) if not as_json else None)
-    write_json(folder / "results.json", results)
     pool_bench.figure(results, folder / "pool.png")
-    if as_json:
-        print(json.dumps(results, indent=2, default=str))
-        return
-    for title, rows in pool_bench.tables(results):
-        print_table(title, rows)
-    Console().print(f"results: {folder / 'results.json'}, figure: {folder / 'pool.png'}")
+    report(results, folder, pool_bench.tables(results), as_json,
+           f"results: {folder / 'results.json'}, figure: {folder / 'pool.png'}")
