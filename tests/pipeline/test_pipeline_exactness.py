@@ -37,7 +37,7 @@ def assert_exact(runner, result, context, query):
 
 def _corrupt(pool, key):
     dev, offset = next((d, off) for digest, d, off, _len, _seq in pool.entries() if digest == key.digest)
-    device = pool._slots[dev].device
+    device = pool.slots[dev].device
     getattr(device, "inner", device)._mem[offset + 200] ^= 0x55
 
 

@@ -77,7 +77,7 @@ def test_each_stage_restores_its_layers_exactly_from_stored_boundary_activations
 
 def _corrupt(pool, key):
     dev, offset = next((d, off) for digest, d, off, _len, _seq in pool.entries() if digest == key.digest)
-    device = pool._slots[dev].device
+    device = pool.slots[dev].device
     getattr(device, "inner", device)._mem[offset + 200] ^= 0x55
 
 

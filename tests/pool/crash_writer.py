@@ -43,7 +43,7 @@ def violations(cfg: dict, written: list[int], acked: list[int], must_keep_acked:
         if st["recovery_conflicts"]:
             bad.append(f"{st['recovery_conflicts']} rows shared an extent after recovery")
         rows = pool.entries()
-        for i, slot in enumerate(pool._slots):
+        for i, slot in enumerate(pool.slots):
             mine = sorted((off, round_up(n, slot.alloc.align)) for _, dev, off, n, _ in rows if dev == i)
             if any(a + n > b for (a, n), (b, _) in zip(mine, mine[1:])):
                 bad.append(f"device {i}: two live keys share an extent")

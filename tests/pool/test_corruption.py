@@ -22,7 +22,7 @@ def stored_pool(tmp_path, kind, n=8):
     with KVPool.open(cfg) as pool:
         pool.put_many({k: tensor_for(k) for k in keys})
         where = {d: off for d, _dev, off, _len, _seq in pool.entries()}
-        files = pool._slots[0].device.inner
+        files = pool.slots[0].device.inner
     locate = (lambda off: (files._path(off), 0)) if kind == "files" else (lambda off: (cfg["devices"][0]["path"],
                                                                                        SB + off))
     return cfg, keys, {k: locate(where[k.digest]) for k in keys}

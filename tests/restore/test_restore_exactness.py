@@ -62,7 +62,7 @@ def test_a_partly_stored_context_restores_its_stored_prefix_and_recomputes_the_r
 
 
 def _memory_of(pool, dev):
-    device = pool._slots[dev].device
+    device = pool.slots[dev].device
     return getattr(device, "inner", device)._mem
 
 

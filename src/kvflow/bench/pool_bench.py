@@ -134,7 +134,7 @@ def passthrough(disk_dir: str, data_bytes: int, record_bytes: int, repeats: int,
                 cache = drop_page_cache(global_drop)
                 timed_get(pool, keys[:1])     # fault our own code back in after the drop; this record stays cold
                 drop_page_cache(global_drop)
-                files_dev = pool._slots[0].device.inner
+                files_dev = pool.slots[0].device.inner
                 meta0, data0 = getattr(files_dev, "meta_s", 0.0), getattr(files_dev, "data_s", 0.0)
                 c0, t0 = cpu_seconds(), time.perf_counter()
                 timed_get(pool, keys)

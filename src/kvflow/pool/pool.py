@@ -12,8 +12,10 @@
       lock: insert rows, append PUTs to the log           lock: unpin (free extents of rows removed meanwhile)
       (strict: fdatasync log) -> return
 
-Rows of persistent devices go to the write-ahead log (``journal.py``); recovery rebuilds table and allocators
-together from checkpoint + log. Anonymous memory devices are volatile and never logged.
+Rows of persistent devices go to the write-ahead log (``journal.py``). This file is the façade; the parts live apart:
+``state.py`` (what they share), ``recovery.py`` (table + allocators from checkpoint + log), ``fsck.py`` (verify every
+record), ``eviction.py`` (LRU eviction, drop, release), ``organizer.py`` (probe -> p_i), ``striping.py`` (placement).
+Anonymous memory devices are volatile and never logged.
 """
 
 from __future__ import annotations
@@ -23,47 +25,29 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch
 
 from kvflow.chunks.keys import ChunkKey, layer_tail, prefix_hashes, record_digest
 from kvflow.chunks.record import DTYPE_CODES, HEADER_SIZE, decode, encode_into, parse_header, record_size
-from kvflow.config import _parse_size
 from kvflow.errors import ConfigError, KVFlowError, RecordError
+from kvflow.pool import eviction
 from kvflow.pool.allocator import ExtentAllocator, round_up
-from kvflow.pool.config import DeviceConfig, PoolConfig
+from kvflow.pool.config import PoolConfig
 from kvflow.pool.devices import Throttled, open_device
+from kvflow.pool.fsck import fsck
 from kvflow.pool.index import Entry, LookupTable
-from kvflow.pool.journal import DEL, PUT, Journal, Op
+from kvflow.pool.journal import PUT, Journal, Op
 from kvflow.pool.organizer import PROBE_CHUNK, Bandwidth, effective, probe, ratios
+from kvflow.pool.recovery import recover
+from kvflow.pool.state import PoolState, Slot
 from kvflow.pool.striping import make_placement
 
 log = logging.getLogger("kvflow.pool")
 
 _UNHEALTHY_AFTER = 3       # consecutive I/O errors before a device is taken out of service
 _DEFAULT_BW = 1e9          # assumed when a device was never probed (read-only open of an unprobed pool)
-
-
-@dataclass(slots=True)
-class _Slot:
-    """One device as the pool sees it: the device (behind its throttle), its allocator and its I/O workers."""
-    device: Throttled
-    cfg: DeviceConfig
-    id: int | None                 # manifest id; None for a volatile device (never logged)
-    alloc: ExtentAllocator
-    io: ThreadPoolExecutor
-    bw: Bandwidth                  # unthrottled
-    cap: float | None = None       # current throttle (bytes/s)
-    healthy: bool = True
-    errors_in_row: int = 0
-    counters: dict = field(default_factory=lambda: dict.fromkeys(
-        ("reads", "read_bytes", "writes", "write_bytes", "errors", "evictions", "corrupt"), 0))
-
-    @property
-    def read_bw(self) -> float:
-        return effective(self.bw.read, self.cap)
 
 
 class KVPool:
@@ -74,17 +58,11 @@ class KVPool:
         self.readonly = readonly
         self.chunk_tokens = cfg.chunk_tokens
         self.dtype = cfg.dtype
-        self._lock = threading.Lock()
+        self._state = PoolState(cfg, readonly, Journal(cfg.index_dir, readonly) if cfg.index_dir else None)
         self._ckpt_lock = threading.Lock()
         self._closed = False
-        self._next_seq = 0
-        self._discards: list[tuple[int, int]] = []   # freed extents to tell their device once the log says so
-        self._counters = dict.fromkeys(("hits", "misses", "corrupt", "evictions", "put_records", "put_bytes",
-                                        "put_skipped", "put_dropped", "put_errors", "recovery_dropped",
-                                        "recovery_conflicts", "lookup_calls"), 0)
-        self._counters["lookup_s"] = 0.0
-        self._journal = Journal(cfg.index_dir, readonly) if cfg.index_dir else None
-        self._slots: list[_Slot] = []
+        self._manifest: dict = {"devices": []}
+        self._placement = None
         try:
             self._open()
         except BaseException:
@@ -92,7 +70,7 @@ class KVPool:
             raise
         self._stop = threading.Event()
         self._bg = None
-        if self._journal is not None and not readonly:
+        if self._state.journal is not None and not readonly:
             self._bg = threading.Thread(target=self._background, name="kvpool-checkpoint", daemon=True)
             self._bg.start()
 
@@ -108,17 +86,19 @@ class KVPool:
                chunk_tokens: int = 256, **options) -> KVPool:
         """An in-process pool of ``devices`` anonymous memory devices sharing ``capacity``; ``bandwidth`` (bytes/s)
         caps the whole pool, split over the devices by p_i. ``options`` are further PoolConfig fields."""
-        each = (_parse_size(capacity) if isinstance(capacity, str) else int(capacity)) // devices
-        cfg = PoolConfig.load({"devices": [{"type": "memory", "capacity": each} for _ in range(devices)],
+        cfg = PoolConfig.load({"devices": [{"type": "memory", "capacity": capacity}] * devices,
                                "chunk_tokens": chunk_tokens, **options})
+        for dev in cfg.devices:
+            dev.capacity //= devices
+        cfg.validate()
         pool = cls(cfg)
         if bandwidth is not None:
             pool.set_throttle(bandwidth)
         return pool
 
     def _open(self) -> None:
-        cfg, journal = self.cfg, self._journal
-        manifest = journal.read_manifest() if journal else {"devices": []}
+        st, cfg = self._state, self.cfg
+        manifest = st.journal.read_manifest() if st.journal else {"devices": []}
         known = {d["name"]: d for d in manifest["devices"]}
         next_id = max((d["id"] for d in manifest["devices"]), default=-1) + 1
         for dcfg in cfg.devices:
@@ -136,67 +116,25 @@ class KVPool:
             m = known.get(dcfg.name, {}) if dcfg.persistent else {}
             bw = Bandwidth(float(dcfg.bandwidth or m.get("read_bw") or 0),
                            float(dcfg.bandwidth or m.get("write_bw") or 0))
-            io = ThreadPoolExecutor(dcfg.workers, thread_name_prefix=f"kvpool-dev{len(self._slots)}")
-            self._slots.append(_Slot(Throttled(device, dcfg.throttle), dcfg, ident,
-                                     ExtentAllocator(device.capacity, device.align), io, bw, cap=dcfg.throttle))
-        self._table = LookupTable(len(self._slots))
-        if journal is not None:
-            self._recover()
+            io = ThreadPoolExecutor(dcfg.workers, thread_name_prefix=f"kvpool-dev{len(st.slots)}")
+            st.slots.append(Slot(Throttled(device, dcfg.throttle), dcfg, ident,
+                                 ExtentAllocator(device.capacity, device.align), io, bw, cap=dcfg.throttle))
+        st.table = LookupTable(len(st.slots))
+        if st.journal is not None:
+            recover(st)
             if not self.readonly:
                 manifest["devices"] = sorted(known.values(), key=lambda d: d["id"])
                 self._manifest = manifest
                 self.checkpoint(rotate=False)
-                journal.start()
+                st.journal.start()
         self._probe_missing()
-        if journal is not None and not self.readonly:
-            journal.write_manifest(self._manifest)
-        self._placement = make_placement(cfg.placement, [s.read_bw if s.healthy else 0.0 for s in self._slots])
-
-    def _recover(self) -> None:
-        """Table + allocators from checkpoint and log. Rows on devices that are gone, new, truncated or too small
-        are dropped; rows that would share an extent (never produced by a correct writer) keep the newest."""
-        rec = self._journal.recover()
-        by_id = {s.id: i for i, s in enumerate(self._slots) if s.id is not None}
-        per_dev: dict[int, list[tuple[bytes, Op]]] = {}
-        dropped = 0
-        for digest, op in rec.rows.items():
-            i = by_id.get(op.dev)
-            dev = self._slots[i].device if i is not None else None
-            limit = None if dev is None else (dev.capacity if dev.intact_bytes is None else dev.intact_bytes)
-            if dev is None or dev.fresh or op.offset + round_up(op.length, dev.align) > limit or op.offset % dev.align:
-                dropped += 1
-                continue
-            per_dev.setdefault(i, []).append((digest, op))
-        conflicts = 0
-        rows: list[tuple[int, bytes, Op]] = []
-        for i, items in per_dev.items():
-            items.sort(key=lambda r: r[1].offset)
-            kept: list[tuple[bytes, Op]] = []
-            for digest, op in items:
-                if kept and op.offset < kept[-1][1].offset + round_up(kept[-1][1].length, self._slots[i].alloc.align):
-                    conflicts += 1
-                    if kept[-1][1].seq > op.seq:
-                        continue
-                    kept.pop()
-                kept.append((digest, op))
-            self._slots[i].alloc = ExtentAllocator.from_used(
-                self._slots[i].alloc.capacity, self._slots[i].alloc.align, [(op.offset, op.length) for _, op in kept])
-            rows += [(i, d, op) for d, op in kept]
-        for i, digest, op in sorted(rows, key=lambda r: r[2].seq):      # LRU order = age
-            self._table.insert(digest, Entry(i, op.offset, op.length, op.seq, op.checksum))
-        self._next_seq = rec.next_seq
-        self._counters["recovery_dropped"] = dropped
-        self._counters["recovery_conflicts"] = conflicts
-        if conflicts:
-            log.error("pool index %s: %d rows shared an extent after recovery; kept the newest", self.cfg.index_dir,
-                      conflicts)
-        if dropped or rec.torn or not rec.checkpoint_ok:
-            log.warning("pool index %s: recovered %d records (%d dropped: device gone, new or truncated%s)",
-                        self.cfg.index_dir, len(self._table), dropped, "; the log ended torn" if rec.torn else "")
+        if st.journal is not None and not self.readonly:
+            st.journal.write_manifest(self._manifest)
+        self._placement = make_placement(cfg.placement, [s.read_bw if s.healthy else 0.0 for s in st.slots])
 
     def _probe_missing(self) -> None:
         shared: dict[str, Bandwidth] = {}
-        for i, s in enumerate(self._slots):
+        for i, s in enumerate(self._state.slots):
             if s.bw.read > 0:
                 continue
             key = s.cfg.name if s.cfg.persistent else f"{s.cfg.type}:anonymous"
@@ -208,28 +146,29 @@ class KVPool:
         """Measure one device's bandwidth on free space (unthrottled); records it (and in the manifest). None when
         the device has no room to probe."""
         assert not self.readonly, "probing writes to the device"
-        s = self._slots[dev]
+        st = self._state
+        s = st.slots[dev]
         nbytes = min(nbytes or self.cfg.probe_bytes, s.alloc.free_bytes // 4)
         if s.cfg.type == "memory" and not s.cfg.persistent:
             nbytes = min(nbytes, 16 << 20)
-        with self._lock:
+        with st.lock:
             offsets = [off for _ in range(nbytes // PROBE_CHUNK) if (off := s.alloc.alloc(PROBE_CHUNK)) is not None]
         if not offsets:
             return None
         try:
             bw = probe(s.device.inner, offsets, s.io)
         finally:
-            with self._lock:
+            with st.lock:
                 for off in offsets:
                     s.alloc.free(off)
                     s.device.discard(off)
         s.bw = bw if s.cfg.bandwidth is None else Bandwidth(float(s.cfg.bandwidth), float(s.cfg.bandwidth))
-        if s.id is not None and self._journal is not None:
+        if s.id is not None and st.journal is not None:
             for d in self._manifest["devices"]:
                 if d["id"] == s.id:
                     d.update(read_bw=bw.read, write_bw=bw.write, probed_at=time.time())
-            self._journal.write_manifest(self._manifest)
-        if hasattr(self, "_placement"):
+            st.journal.write_manifest(self._manifest)
+        if self._placement is not None:
             self._reweigh()
         return bw
 
@@ -240,6 +179,7 @@ class KVPool:
         fits nowhere (every candidate pinned by readers) is skipped, never an error."""
         if self.readonly:
             raise KVFlowError("this pool is open read-only")
+        st = self._state
         dtype = dtype or self.dtype
         if dtype not in DTYPE_CODES:
             raise RecordError(f"unsupported storage dtype {dtype} (float32, bfloat16, float16)")
@@ -247,23 +187,23 @@ class KVPool:
             if tensor.dim() > 6:
                 raise RecordError(f"record {key.hex}: a tensor of {tensor.dim()} dims (records hold at most 6)")
         plan, dels = [], []
-        with self._lock:
+        with st.lock:
             self._check_open()
             for key, tensor in items.items():
-                cur = self._table.get(key.digest)
-                if cur is not None and self._slots[cur.dev].healthy:
-                    self._table.touch(key.digest, cur)
-                    self._counters["put_skipped"] += 1
+                cur = st.table.get(key.digest)
+                if cur is not None and st.slots[cur.dev].healthy:
+                    st.table.touch(key.digest, cur)
+                    st.counters["put_skipped"] += 1
                     continue
                 length = record_size(tensor.shape, dtype)
                 where = self._place(length, dels, lane=key.layers[0])
                 if where is None:
-                    self._counters["put_dropped"] += 1
+                    st.counters["put_dropped"] += 1
                     continue
-                plan.append((key, tensor, *where, length, self._next_seq))
-                self._next_seq += 1
-            self._log(dels)          # before any freed extent is overwritten below
-        futures = [(p, self._slots[p[2]].io.submit(self._write_one, *p, dtype)) for p in plan]
+                plan.append((key, tensor, *where, length, st.next_seq))
+                st.next_seq += 1
+            eviction.log_and_discard(st, dels)          # before any freed extent is overwritten below
+        futures = [(p, st.slots[p[2]].io.submit(self._write_one, *p, dtype)) for p in plan]
         done, failed, unexpected = [], [], None
         for p, fut in futures:
             try:
@@ -276,28 +216,28 @@ class KVPool:
                 unexpected = err
         if self.cfg.durability == "strict":
             for i in {p[2] for p, _ in done}:
-                self._slots[i].device.sync()
-        with self._lock:
+                st.slots[i].device.sync()
+        with st.lock:
             ops = []
             for (key, _t, dev, off, length, seq), checksum in done:
                 entry = Entry(dev, off, length, seq, checksum)
-                old = self._table.insert(key.digest, entry)
+                old = st.table.insert(key.digest, entry)
                 if old is not None:
-                    self._release(old)
-                if (ident := self._slots[dev].id) is not None:
+                    eviction.release(st, old)
+                if (ident := st.slots[dev].id) is not None:
                     ops.append(Op(PUT, ident, key.digest, off, length, seq, checksum))
-                c = self._slots[dev].counters
+                c = st.slots[dev].counters
                 c["writes"] += 1
                 c["write_bytes"] += length
             for _key, _t, dev, off, _length, _seq in failed:
-                self._slots[dev].alloc.free(off)
-                self._slots[dev].device.discard(off)
-            self._log(ops)
-            self._counters["put_records"] += len(done)
-            self._counters["put_bytes"] += sum(p[4] for p, _ in done)
-            self._counters["put_errors"] += len(failed)
-        if self.cfg.durability == "strict" and self._journal is not None and ops:
-            self._journal.sync()
+                st.slots[dev].alloc.free(off)
+                st.slots[dev].device.discard(off)
+            eviction.log_and_discard(st, ops)
+            st.counters["put_records"] += len(done)
+            st.counters["put_bytes"] += sum(p[4] for p, _ in done)
+            st.counters["put_errors"] += len(failed)
+        if self.cfg.durability == "strict" and st.journal is not None and ops:
+            st.journal.sync()
         if unexpected is not None:
             raise unexpected
         return len(done)
@@ -305,19 +245,20 @@ class KVPool:
     def get_many(self, keys: Iterable[ChunkKey]) -> dict[ChunkKey, torch.Tensor | None]:
         """Verified records (storage dtype, stored shape, tensors own their memory); None for a miss. All devices
         are read in parallel. A record failing any check is a miss: counted, logged, dropped from the index."""
+        st = self._state
         keys = list(keys)
         out: dict[ChunkKey, torch.Tensor | None] = dict.fromkeys(keys)
         plan = []
-        with self._lock:
+        with st.lock:
             self._check_open()
             for key in dict.fromkeys(keys):
-                entry = self._table.get(key.digest)
-                if entry is None or not self._slots[entry.dev].healthy:
+                entry = st.table.get(key.digest)
+                if entry is None or not st.slots[entry.dev].healthy:
                     continue
                 entry.pins += 1
-                self._table.touch(key.digest, entry)
+                st.table.touch(key.digest, entry)
                 plan.append((key, entry))
-        futures = [(key, entry, self._slots[entry.dev].io.submit(self._read_one, key, entry)) for key, entry in plan]
+        futures = [(key, entry, st.slots[entry.dev].io.submit(self._read_one, key, entry)) for key, entry in plan]
         bad = []
         try:
             for key, entry, fut in futures:
@@ -333,8 +274,9 @@ class KVPool:
         return out
 
     def contains(self, keys: Iterable[ChunkKey]) -> list[bool]:
-        with self._lock:
-            return [(e := self._table.get(k.digest)) is not None and self._slots[e.dev].healthy for k in keys]
+        st = self._state
+        with st.lock:
+            return [(e := st.table.get(k.digest)) is not None and st.slots[e.dev].healthy for k in keys]
 
     def longest_prefix(self, token_ids, fingerprint: str, layer_groups: list[tuple[int, int]] | None = None,
                        kind: str = "kv") -> int:
@@ -343,7 +285,8 @@ class KVPool:
         if not layer_groups:
             raise ValueError("longest_prefix needs the layer groups every chunk must have")
         t0 = time.perf_counter()
-        n, table, slots = 0, self._table, self._slots
+        st = self._state
+        n, table, slots = 0, st.table, st.slots
         # Hot path (512 chunks x dozens of groups at 128K tokens): record digests without building ChunkKeys.
         tails = [layer_tail(g, kind) for g in layer_groups]
         for i, h in enumerate(prefix_hashes(token_ids, fingerprint, self.chunk_tokens)):   # dict reads: no lock
@@ -355,105 +298,81 @@ class KVPool:
                 n = i + 1
                 continue
             break
-        with self._lock:
-            self._counters["lookup_s"] += time.perf_counter() - t0
-            self._counters["lookup_calls"] += 1
+        with st.lock:
+            st.counters["lookup_s"] += time.perf_counter() - t0
+            st.counters["lookup_calls"] += 1
         return n * self.chunk_tokens
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        """The devices as the pool sees them (device behind its throttle, allocator, b_i, health) — for benches,
+        fsck tools and tests; change them only through the pool's methods."""
+        return tuple(self._state.slots)
 
     @property
     def parallelism(self) -> int:
         """Devices that serve reads: a read of fewer records than this leaves bandwidth unused."""
-        return max(1, sum(1 for s in self._slots if s.healthy))
+        return max(1, sum(1 for s in self._state.slots if s.healthy))
 
     @property
     def read_bandwidth(self) -> float:
         """Bytes/s the organizer believes the whole pool reads at: sum of b_i over healthy devices, caps applied."""
-        return sum(s.read_bw for s in self._slots if s.healthy)
+        return sum(s.read_bw for s in self._state.slots if s.healthy)
 
     def set_throttle(self, bytes_per_s: float | None) -> None:
         """Cap the whole pool at ``bytes_per_s``, split over devices by p_i (unchanged, so stored data stays evenly
         striped). None removes the cap (devices keep any ``throttle`` from their config)."""
-        with self._lock:
-            base = [effective(s.bw.read, s.cfg.throttle) if s.healthy else 0.0 for s in self._slots]
-            for s, p in zip(self._slots, ratios(base)):
+        st = self._state
+        with st.lock:
+            base = [effective(s.bw.read, s.cfg.throttle) if s.healthy else 0.0 for s in st.slots]
+            for s, p in zip(st.slots, ratios(base)):
                 s.cap = s.cfg.throttle if bytes_per_s is None else (max(bytes_per_s * p, 1.0) if p else None)
                 s.device.set_rate(s.cap)
 
     def stats(self) -> dict:
-        with self._lock:
-            p = ratios([s.read_bw if s.healthy else 0.0 for s in self._slots])
+        st = self._state
+        with st.lock:
+            p = ratios([s.read_bw if s.healthy else 0.0 for s in st.slots])
             devs = [{**s.device.describe(), "capacity": s.alloc.capacity, "used": s.alloc.used_bytes,
-                     "free": s.alloc.free_bytes, "records": self._table.count(i), "read_bw": s.read_bw,
+                     "free": s.alloc.free_bytes, "records": st.table.count(i), "read_bw": s.read_bw,
                      "probed_read_bw": s.bw.read, "probed_write_bw": s.bw.write, "throttle": s.cap, "p": p[i],
-                     "healthy": s.healthy, **s.counters} for i, s in enumerate(self._slots)]
-            return {"records": len(self._table), "capacity": sum(d["capacity"] for d in devs),
+                     "healthy": s.healthy, **s.counters} for i, s in enumerate(st.slots)]
+            return {"records": len(st.table), "capacity": sum(d["capacity"] for d in devs),
                     "used": sum(d["used"] for d in devs), "read_bandwidth": self.read_bandwidth,
                     "durability": self.cfg.durability, "placement": self.cfg.placement, "readonly": self.readonly,
-                    "next_seq": self._next_seq, **self._counters, "devices": devs}
+                    "next_seq": st.next_seq, **st.counters, "devices": devs}
 
     def entries(self) -> list[tuple[bytes, int, int, int, int]]:
         """(digest, device, offset, length, seq) of every row — for fsck and tests."""
-        with self._lock:
-            return [(d, e.dev, e.offset, e.length, e.seq) for d, e in self._table.items()]
+        with self._state.lock:
+            return [(d, e.dev, e.offset, e.length, e.seq) for d, e in self._state.table.items()]
 
     def fsck(self, repair: bool = True) -> dict:
         """Read and verify every record (header, checksum, key digest, sequence). Bad ones are reported and, with
         ``repair`` on a writable pool, dropped. Also checks that no two rows share an extent."""
-        with self._lock:
-            rows = [(d, e) for d, e in self._table.items()]
-            for _, e in rows:
-                e.pins += 1
-
-        def verify(digest: bytes, e: Entry) -> str | None:
-            try:
-                data = self._slots[e.dev].device.read(e.offset, e.length)
-                header, _ = decode(data.numpy())
-                if header.digest != digest or header.seq != e.seq:
-                    return "record at this extent belongs to another key or write"
-            except (RecordError, OSError) as err:
-                return str(err)
-            return None
-
-        futures = [(d, e, self._slots[e.dev].io.submit(verify, d, e)) for d, e in rows]
-        bad = [(d, e, err) for d, e, f in futures if (err := f.result()) is not None]
-        overlaps = 0
-        for i, s in enumerate(self._slots):
-            ext = sorted((e.offset, round_up(e.length, s.alloc.align)) for _, e in rows if e.dev == i)
-            overlaps += sum(a + n > b for (a, n), (b, _) in zip(ext, ext[1:]))
-        with self._lock:
-            dels = []
-            for _, e in rows:
-                e.pins -= 1
-                self._release(e)
-            if repair and not self.readonly:
-                for d, e, _ in bad:
-                    self._counters["corrupt"] += 1
-                    self._drop(d, e, dels)
-            self._log(dels)
-        return {"checked": len(rows), "bytes": sum(e.length for _, e in rows), "overlaps": overlaps,
-                "bad": [{"key": d.hex(), "device": self._slots[e.dev].device.name, "offset": e.offset, "error": err}
-                        for d, e, err in bad], "repaired": repair and not self.readonly}
+        return fsck(self._state, repair)
 
     def refresh(self) -> None:
         """Read-only pools: reload the index from disk to see what the writer stored since open."""
-        assert self.readonly and self._journal is not None
-        with self._lock:
-            self._table = LookupTable(len(self._slots))
-            self._recover()
+        st = self._state
+        assert self.readonly and st.journal is not None
+        with st.lock:
+            recover(st)
 
     def checkpoint(self, rotate: bool = True) -> None:
         """Make everything stored so far durable and compact the log into a new checkpoint."""
-        if self._journal is None or self.readonly:
+        st = self._state
+        if st.journal is None or self.readonly:
             return
         with self._ckpt_lock:
-            with self._lock:
-                rows = [Op(PUT, self._slots[e.dev].id, d, e.offset, e.length, e.seq, e.checksum)
-                        for d, e in self._table.items() if self._slots[e.dev].id is not None]
-                next_seq = self._next_seq
-                wal_from = self._journal.rotate() if rotate else self._journal.gen
-            for s in self._slots:
+            with st.lock:
+                rows = [Op(PUT, st.slots[e.dev].id, d, e.offset, e.length, e.seq, e.checksum)
+                        for d, e in st.table.items() if st.slots[e.dev].id is not None]
+                next_seq = st.next_seq
+                wal_from = st.journal.rotate() if rotate else st.journal.gen
+            for s in st.slots:
                 s.device.sync()   # the data of every row is durable before the snapshot that names it
-            self._journal.write_checkpoint(rows, next_seq, wal_from)
+            st.journal.write_checkpoint(rows, next_seq, wal_from)
 
     def close(self) -> None:
         if self._closed:
@@ -461,9 +380,9 @@ class KVPool:
         if self._bg is not None:
             self._stop.set()
             self._bg.join()
-        if self._journal is not None and not self.readonly:
+        if self._state.journal is not None and not self.readonly:
             self.checkpoint()
-        with self._lock:
+        with self._state.lock:
             self._closed = True
         self._teardown()
 
@@ -474,15 +393,15 @@ class KVPool:
         self.close()
 
     def __repr__(self) -> str:
-        return f"KVPool({len(self._slots)} devices, {len(self._table)} records, {self.cfg.durability})"
+        return f"KVPool({len(self._state.slots)} devices, {len(self._state.table)} records, {self.cfg.durability})"
 
-    # -- internals (callers hold self._lock where noted) ----------------------------------------------------
+    # -- internals (callers hold the state lock where noted) ------------------------------------------------
     def _teardown(self) -> None:
-        for s in self._slots:
+        for s in self._state.slots:
             s.io.shutdown(wait=True)
             s.device.close()
-        if self._journal is not None:
-            self._journal.close()
+        if self._state.journal is not None:
+            self._state.journal.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -490,103 +409,52 @@ class KVPool:
 
     def _finish_reads(self, plan, bad, out) -> None:
         """Unpin what get_many pinned (even if it raised), drop the bad records, count."""
-        with self._lock:
+        st = self._state
+        with st.lock:
             for key, entry in plan:
                 entry.pins -= 1
-                self._release(entry)
+                eviction.release(st, entry)
                 if out[key] is not None:
-                    c = self._slots[entry.dev].counters
+                    c = st.slots[entry.dev].counters
                     c["reads"] += 1
                     c["read_bytes"] += entry.length
             dels = []
             for key, entry, err in bad:   # a reader beside a writer sees records it evicted: routine, not alarming
                 log.log(logging.INFO if self.readonly else logging.WARNING, "pool: dropping record %s on %s: %s",
-                        key.hex, self._slots[entry.dev].device.name, err)
-                self._slots[entry.dev].counters["corrupt"] += 1
-                self._counters["corrupt"] += 1
-                self._drop(key.digest, entry, dels)
-            self._log(dels)
+                        key.hex, st.slots[entry.dev].device.name, err)
+                st.slots[entry.dev].counters["corrupt"] += 1
+                st.counters["corrupt"] += 1
+                eviction.drop(st, key.digest, entry, dels)
+            eviction.log_and_discard(st, dels)
             hits = sum(v is not None for v in out.values())
-            self._counters["hits"] += hits
-            self._counters["misses"] += len(out) - hits
+            st.counters["hits"] += hits
+            st.counters["misses"] += len(out) - hits
 
     def _place(self, length: int, dels: list, lane: int = 0) -> tuple[int, int] | None:
         """Lock held. Device and offset for a new record: the striper's choice if it is below its high watermark,
         else the next device with room (capacity-aware spill); only when all are full, evict on the first choice."""
+        st = self._state
         order = self._placement.order(length, lane)
         for i in order:
-            a = self._slots[i].alloc
+            a = st.slots[i].alloc
             need = round_up(length, a.align)
             if a.used_bytes + need <= self.cfg.high_watermark * a.capacity and (off := a.alloc(length)) is not None:
                 self._placement.charge(i, length, lane)
                 return i, off
         for i in order:
-            need = round_up(length, self._slots[i].alloc.align)
-            if need > self._slots[i].alloc.capacity:
+            need = round_up(length, st.slots[i].alloc.align)
+            if need > st.slots[i].alloc.capacity:
                 continue
-            self._evict(i, need, dels)
-            if (off := self._slots[i].alloc.alloc(length)) is not None:
+            eviction.evict(st, i, need, dels)
+            if (off := st.slots[i].alloc.alloc(length)) is not None:
                 self._placement.charge(i, length, lane)
                 return i, off
         return None
 
-    def _evict(self, i: int, need: int, dels: list) -> None:
-        """Lock held. Drop least recently used, unpinned records of device i until ``need`` bytes fit and the
-        device is at its low watermark (or nothing more can go)."""
-        a = self._slots[i].alloc
-        low = self.cfg.low_watermark * a.capacity
-
-        def satisfied() -> bool:
-            return a.largest_free >= need and a.used_bytes + need <= low
-
-        while not satisfied():
-            victims = []
-            for digest, e in self._table.oldest(i):
-                if e.pins == 0:
-                    victims.append((digest, e))
-                    if len(victims) == 64:
-                        break
-            if not victims:
-                return
-            for digest, e in victims:
-                self._drop(digest, e, dels)
-                self._counters["evictions"] += 1
-                self._slots[i].counters["evictions"] += 1
-                if satisfied():
-                    return
-
-    def _drop(self, digest: bytes, entry: Entry, dels: list) -> None:
-        """Lock held. Remove ``entry`` from the table (if it is still the row of ``digest``); log it in ``dels``."""
-        if self._table.get(digest) is not entry:
-            return
-        self._table.remove(digest)
-        if (ident := self._slots[entry.dev].id) is not None:
-            dels.append(Op(DEL, ident, digest, entry.offset, entry.length, entry.seq, entry.checksum))
-        self._release(entry)
-
-    def _release(self, entry: Entry) -> None:
-        """Lock held. Free the extent of a removed row once no reader holds it."""
-        if entry.dead and entry.pins == 0:
-            entry.pins = -1           # freed: exactly once
-            self._slots[entry.dev].alloc.free(entry.offset)
-            self._discards.append((entry.dev, entry.offset))
-
-    def _log(self, ops: list[Op]) -> None:
-        """Lock held; ends every critical section that removes rows. Appends ``ops`` to the log, and only then lets
-        devices destroy freed records (the files baseline unlinks): a crash in between leaves a DEL'd row, never
-        a logged row without its data. Freed extents are rewritten only after the lock is released."""
-        if ops and self._journal is not None and not self.readonly:
-            self._journal.append(ops)
-        for dev, offset in self._discards:
-            try:
-                self._slots[dev].device.discard(offset)
-            except OSError as err:      # e.g. a dead disk refusing an unlink: the extent is free all the same
-                log.warning("pool: discard on %s failed: %s", self._slots[dev].device.name, err)
-        self._discards.clear()
-
     def _io_error(self, dev: int, err: Exception, what: str) -> None:
-        s = self._slots[dev]
-        with self._lock:
+        st = self._state
+        s = st.slots[dev]
+        with st.lock:
             s.counters["errors"] += 1
             s.errors_in_row += 1
             if s.healthy and s.errors_in_row >= _UNHEALTHY_AFTER:
@@ -598,39 +466,41 @@ class KVPool:
                 log.warning("pool: %s error on %s: %s", what, s.device.name, err)
 
     def _reweigh(self) -> None:
-        weights = [s.read_bw if s.healthy else 0.0 for s in self._slots]
+        weights = [s.read_bw if s.healthy else 0.0 for s in self._state.slots]
         if any(weights):
             self._placement.set_weights(weights)
 
     def _write_one(self, key: ChunkKey, tensor: torch.Tensor, dev: int, offset: int, length: int, seq: int,
                    dtype: torch.dtype) -> int:
         """Worker thread. Encode straight into the device's staging buffer (one cast/copy + checksum), write it."""
-        device = self._slots[dev].device
-        buf = device.staging(offset, length)
+        slot = self._state.slots[dev]
+        buf = slot.device.staging(offset, length)
         encode_into(buf.numpy(), key, tensor.detach(), seq, dtype)
         if buf.numel() > length:
             buf[length:].zero_()
-        device.commit(offset, buf)
-        self._slots[dev].errors_in_row = 0
+        slot.device.commit(offset, buf)
+        slot.errors_in_row = 0
         return parse_header(buf[:HEADER_SIZE].numpy()).checksum
 
     def _read_one(self, key: ChunkKey, entry: Entry) -> torch.Tensor:
         """Worker thread. One read into a fresh page-aligned buffer (GIL released), then verify against the key."""
-        data = self._slots[entry.dev].device.read(entry.offset, entry.length)
+        slot = self._state.slots[entry.dev]
+        data = slot.device.read(entry.offset, entry.length)
         header, tensor = decode(data.numpy(), expect=key)
         if header.seq != entry.seq:
             raise RecordError(f"record sequence {header.seq} differs from the index ({entry.seq}): stale extent")
-        self._slots[entry.dev].errors_in_row = 0
+        slot.errors_in_row = 0
         return tensor
 
     def _background(self) -> None:
+        st = self._state
         while not self._stop.wait(self.cfg.checkpoint_interval_s):
             try:
-                if self._journal.wal_bytes > max(self.cfg.wal_compact_bytes, 64 * len(self._table)):
+                if st.journal.wal_bytes > max(self.cfg.wal_compact_bytes, 64 * len(st.table)):
                     self.checkpoint()
                 elif self.cfg.durability == "relaxed":
-                    for s in self._slots:
+                    for s in st.slots:
                         s.device.sync()
-                    self._journal.sync()
+                    st.journal.sync()
             except Exception:   # a failing disk must not kill the pool; the next put/get reports it
                 log.exception("pool: background checkpoint failed")
