@@ -50,6 +50,12 @@ _UNHEALTHY_AFTER = 3       # consecutive I/O errors before a device is taken out
 _DEFAULT_BW = 1e9          # assumed when a device was never probed (read-only open of an unprobed pool)
 
 
+def _check_key(key) -> None:
+    if not isinstance(key, ChunkKey):
+        raise TypeError(f"pool keys are ChunkKey values, not {type(key).__name__} ({key!r:.40}); make them with "
+                        f"kvflow.chunks.keys.chunk_keys(token_ids, fingerprint, chunk_tokens, layer_groups)")
+
+
 class KVPool:
     """Use ``KVPool.open(config_or_path)`` or ``KVPool.memory(...)``. Thread-safe; a context manager."""
 
@@ -184,6 +190,10 @@ class KVPool:
         if dtype not in DTYPE_CODES:
             raise RecordError(f"unsupported storage dtype {dtype} (float32, bfloat16, float16)")
         for key, tensor in items.items():
+            _check_key(key)
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"put_many: the value of record {key.hex} is a {type(tensor).__name__}, "
+                                f"not a torch.Tensor")
             if tensor.dim() > 6:
                 raise RecordError(f"record {key.hex}: a tensor of {tensor.dim()} dims (records hold at most 6)")
         plan, dels = [], []
@@ -247,6 +257,8 @@ class KVPool:
         are read in parallel. A record failing any check is a miss: counted, logged, dropped from the index."""
         st = self._state
         keys = list(keys)
+        for key in keys:
+            _check_key(key)
         out: dict[ChunkKey, torch.Tensor | None] = dict.fromkeys(keys)
         plan = []
         with st.lock:
@@ -275,6 +287,9 @@ class KVPool:
 
     def contains(self, keys: Iterable[ChunkKey]) -> list[bool]:
         st = self._state
+        keys = list(keys)
+        for key in keys:
+            _check_key(key)
         with st.lock:
             return [(e := st.table.get(k.digest)) is not None and st.slots[e.dev].healthy for k in keys]
 
