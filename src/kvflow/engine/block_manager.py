@@ -1,0 +1,138 @@
+"""BlockManager: fixed-size KV blocks from one preallocated budget, refcounted, with prefix caching.
+
+    sequence tokens  | t0 .. t15 | t16 .. t31 | t32 .. t40 ...      (block_size 16)
+    block_table      |    7      |     3      |     12             one block id per 16 positions
+    block_hashes     |   h0      |    h1      |   (partial: none)  h_i = xxh3_128(h_{i-1} | tokens of block i)
+
+A full block whose KV is computed gets its chained hash and is registered in ``cached`` (hash -> block id), so a
+later sequence whose prompt starts with the same tokens shares it (refcount + 1) instead of computing it. When
+its last user frees it a block goes to the back of the free queue *with its hash kept*: it can still be hit until
+it is taken for a new allocation from the front (least recently freed first, i.e. LRU).
+
+Invariants (tests/engine/test_block_manager.py): a block with refcount > 0 is never in the free queue; refcount =
+number of block tables that hold it; ``cached`` maps only to blocks whose hash is that key.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvflow.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None      # set once the block is full and its KV computed
+
+
+def chain_hash(parent: bytes | None, tokens) -> bytes:
+    data = np.asarray(tokens, dtype=np.int64).tobytes()
+    return xxhash.xxh3_128_digest((parent or b"kvflow-block") + data)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.block_size, self.num_blocks, self.enable_caching = block_size, num_blocks, enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # front: evicted first
+        self.cached: dict[bytes, int] = {}
+        self.evictions = 0             # cached blocks taken for new data
+
+    # ------------------------------------------------------------------------------------------ facts
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks held by sequences (free blocks that still cache a prefix count as free)."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
+        """Block ids and hashes of the longest cached prefix — at most (len - 1) // block_size blocks, so at least
+        one token is computed and gives the next-token logits."""
+        ids, hashes, parent, bs = [], [], None, self.block_size
+        if not self.enable_caching:
+            return ids, hashes
+        for i in range((len(token_ids) - 1) // bs):
+            parent = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            block = self.cached.get(parent)
+            if block is None:
+                break
+            ids.append(block)
+            hashes.append(parent)
+        return ids, hashes
+
+    def _needed(self, seq: Sequence, hits: list[int]) -> int:
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)      # hits now in the free queue
+        return self.blocks_for(seq.num_tokens) - len(hits) + revived
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self._needed(seq, self.match_prefix(seq.token_ids)[0]) <= len(self.free)
+
+    # ------------------------------------------------------------------------------------- mutations
+    def allocate(self, seq: Sequence) -> int:
+        """Blocks for all of ``seq``'s tokens: the cached prefix shared, the rest new. Returns the hit tokens (the
+        caller sets ``seq.num_computed``)."""
+        assert not seq.block_table
+        hits, hashes = self.match_prefix(seq.token_ids)
+        assert self._needed(seq, hits) <= len(self.free), "allocate() without can_allocate()"
+        for b in hits:
+            block = self.blocks[b]
+            if block.ref_count == 0:
+                del self.free[b]
+            block.ref_count += 1
+        seq.block_table = hits + [self._take() for _ in range(self.blocks_for(seq.num_tokens) - len(hits))]
+        seq.block_hashes = hashes
+        return len(hits) * self.block_size
+
+    def can_append(self, seq: Sequence) -> bool:
+        return self.blocks_for(seq.num_tokens) <= len(seq.block_table) or len(self.free) > 0
+
+    def append(self, seq: Sequence) -> None:
+        """A block for the token just appended, when it starts a new block."""
+        while self.blocks_for(seq.num_tokens) > len(seq.block_table):
+            seq.block_table.append(self._take())
+
+    def commit(self, seq: Sequence) -> None:
+        """Hash and register the blocks that became full and computed."""
+        bs = self.block_size
+        while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
+            i = len(seq.block_hashes)
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if self.enable_caching and block.hash is None and h not in self.cached:
+                block.hash = h
+                self.cached[h] = block.block_id
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks, tail first (so a shared prefix outlives the tails in the LRU order)."""
+        for b in reversed(seq.block_table):
+            block = self.blocks[b]
+            assert block.ref_count > 0
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[b] = None
+        seq.block_table, seq.block_hashes = [], []
+
+    def _take(self) -> int:
+        b, _ = self.free.popitem(last=False)
+        block = self.blocks[b]
+        if block.hash is not None:
+            if self.cached.get(block.hash) == b:
+                del self.cached[block.hash]
+            block.hash = None
+            self.evictions += 1
+        block.ref_count = 1
+        return b

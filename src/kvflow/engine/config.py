@@ -1,0 +1,40 @@
+"""EngineConfig: the ``engine:`` section of a kvflow config file (``KVFLOW_ENGINE_<FIELD>`` overrides)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.config import _parse_size, check, load_section
+from kvflow.planner import STRATEGIES
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16                  # tokens per KV block
+    kv_budget: int = 256 * 2**20          # bytes of resident KV (all blocks), e.g. "64M"
+    num_blocks: int = 0                   # > 0: this many blocks instead of kv_budget / bytes per block
+    max_num_batched_tokens: int = 512     # tokens computed per step (prefill chunks + decodes), vLLM's name
+    max_num_seqs: int = 64                # running sequences at most
+    max_model_len: int = 0                # 0: the model's max_position_embeddings
+    enable_prefix_caching: bool = True    # resident blocks shared by chained hash
+    chunked_prefill: bool = True          # False: a prompt is admitted only when all of it fits one step
+    strategy: str = "cacheflow"           # restoration strategy for pool hits (any of kvflow.planner.STRATEGIES)
+    pool_min_tokens: int = 1              # a pool hit must add at least this many tokens over the resident hit
+    write_queue: int = 64                 # pending pool writes at most; a full queue drops (and counts) writes
+
+    def validate(self) -> None:
+        if isinstance(self.kv_budget, str):
+            self.kv_budget = _parse_size(self.kv_budget)
+        check(self.block_size >= 1, f"engine.block_size must be >= 1, got {self.block_size}")
+        check(self.kv_budget > 0 or self.num_blocks > 0, "engine.kv_budget must be > 0")
+        check(self.num_blocks >= 0, f"engine.num_blocks must be >= 0, got {self.num_blocks}")
+        check(self.max_num_batched_tokens >= 1, "engine.max_num_batched_tokens must be >= 1")
+        check(self.max_num_seqs >= 1, "engine.max_num_seqs must be >= 1")
+        check(self.max_model_len >= 0, "engine.max_model_len must be >= 0")
+        check(self.strategy in STRATEGIES, f"engine.strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
+        check(self.pool_min_tokens >= 1, "engine.pool_min_tokens must be >= 1")
+        check(self.write_queue >= 1, "engine.write_queue must be >= 1")
+
+    @classmethod
+    def load(cls, data: dict | None = None, env=None) -> EngineConfig:
+        return load_section(cls, "engine", data, env)

@@ -1,0 +1,285 @@
+"""LLMEngine: requests in, tokens out, one ``step()`` at a time.
+
+    engine = LLMEngine(load_model("tiny"), EngineConfig(block_size=16))
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=8))        # -> [Completion(token_ids=[...], ...)]
+
+    sid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step(): ...                                    # RequestOutput per sequence that moved
+
+A step: the scheduler picks prefill chunks and decodes under the token budget; sequences admitted with a pool hit
+are restored first (PoolTier); then every other scheduled token runs in one forward pass (BatchRunner); sampled
+tokens are appended, stop conditions checked, finished sequences stored to the pool and their blocks freed.
+Not thread-safe: one thread drives an engine (the server's engine loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvflow.engine.block_manager import BlockManager
+from kvflow.engine.config import EngineConfig
+from kvflow.engine.model_runner import BatchRunner, StepItem
+from kvflow.engine.paged_cache import PagedKVCache
+from kvflow.engine.pool_tier import PoolTier
+from kvflow.engine.sampling import SamplingError, SamplingParams, sample
+from kvflow.engine.scheduler import Scheduler
+from kvflow.engine.sequence import Sequence, Status
+from kvflow.errors import ConfigError, KVFlowError
+from kvflow.model.runner import ModelRunner
+
+log = logging.getLogger("kvflow.engine")
+
+
+class RequestError(KVFlowError):
+    """A request the engine cannot serve as asked (the server answers 400)."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    seq_id: int
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int          # prompt tokens not computed: resident + pool hits
+
+
+@dataclass(slots=True)
+class Completion:
+    seq_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    requests: int = 0
+    finished: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    computed_tokens: int = 0        # tokens run through the model by steps (prefill chunks + decodes)
+    generated_tokens: int = 0
+    decode_steps_batched: int = 0   # decode tokens that shared a forward pass with another sequence
+    resident_hit_tokens: int = 0
+    pool_hit_tokens: int = 0
+    miss_tokens: int = 0
+    requests_by_hit: dict = field(default_factory=lambda: {"resident": 0, "pool": 0, "miss": 0})
+    preemptions: int = 0
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, config: EngineConfig | None = None, *, restorer=None, tokenizer=None):
+        self.runner, self.config, self.tokenizer = runner, config or EngineConfig(), tokenizer
+        cfg = self.config
+        per_block = PagedKVCache.bytes_per_block(runner.num_layers, cfg.block_size, runner.kv_heads,
+                                                 runner.head_dim, runner.dtype.itemsize)
+        self.num_blocks = cfg.num_blocks or cfg.kv_budget // per_block
+        if self.num_blocks < 1:
+            raise ConfigError(f"engine.kv_budget {cfg.kv_budget} B holds no block ({per_block} B per block)")
+        self.max_model_len = cfg.max_model_len or getattr(runner.config, "max_position_embeddings", 2**31)
+        self.cache = PagedKVCache(runner.num_layers, self.num_blocks, cfg.block_size, runner.kv_heads,
+                                  runner.head_dim, runner.dtype)
+        self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.batch_runner = BatchRunner(runner, self.cache)
+        self.pool = PoolTier(restorer, cfg.strategy, cfg.write_queue) if restorer is not None else None
+        self.scheduler = Scheduler(cfg, self.blocks, self.pool.lookup if self.pool else None, self._store)
+        eos = getattr(runner.hf_model.generation_config, "eos_token_id", None)
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.vocab_size = runner.config.vocab_size
+        self.seqs: dict[int, Sequence] = {}
+        self.stats = EngineStats()
+        self._next_id = 0
+
+    # -------------------------------------------------------------------------------------- requests
+    def add_request(self, prompt: list[int] | str, params: SamplingParams | None = None) -> int:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prompt needs a tokenizer (give token ids)")
+            prompt = self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        self.check_prompt(ids, params)
+        seq = Sequence(self._next_id, ids, len(ids), params, generator=params.generator(),
+                       stop_token_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                                           else self.eos_token_ids))
+        self._next_id += 1
+        self.seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += len(ids)
+        return seq.seq_id
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError/SamplingError for a request this engine cannot serve."""
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        total = len(ids) + params.max_tokens
+        if len(ids) >= self.max_model_len or total > self.max_model_len:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                               f"context of {self.max_model_len} tokens")
+        capacity = self.num_blocks * self.config.block_size
+        if total > capacity:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's "
+                               f"KV budget of {capacity} tokens")
+        if not self.config.chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
+            raise RequestError(f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens "
+                               f"({self.config.max_num_batched_tokens}) and chunked prefill is off")
+        if params.stop and self.tokenizer is None:
+            raise SamplingError("stop strings need a tokenizer")
+
+    def abort(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None and not seq.finished:
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+            self.stats.aborted += 1
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        if not plan.scheduled:
+            return []
+        self.stats.steps += 1
+        logits: dict[int, object] = {}
+        restoring = [s for s in plan.scheduled if s.seq.pool_restore]
+        if restoring:
+            self._restore(restoring, logits)
+        for seq in plan.admitted:
+            if seq.num_preemptions == 0:
+                self._count_hit(seq)
+        items, sampled = [], []
+        for s in plan.scheduled:
+            if s.seq.seq_id in logits or s.seq.pool_restore:
+                continue
+            seq, end = s.seq, s.start + s.num_tokens
+            items.append(StepItem(seq.block_table, s.start, seq.token_ids[s.start:end], end == seq.num_tokens))
+            if end == seq.num_tokens:
+                sampled.append(seq)
+        if items:
+            step_logits = self.batch_runner.execute(items)
+            logits.update((seq.seq_id, row) for seq, row in zip(sampled, step_logits))
+            self.stats.computed_tokens += sum(len(it.token_ids) for it in items)
+            decodes = sum(1 for it in items if len(it.token_ids) == 1)
+            if len(items) > 1:
+                self.stats.decode_steps_batched += decodes
+        outputs = []
+        for s in plan.scheduled:
+            seq = s.seq
+            seq.num_computed = s.start + s.num_tokens
+            seq.pool_restore = 0
+            self.blocks.commit(seq)
+            if seq.seq_id in logits and seq.num_computed == seq.num_tokens:
+                outputs.append(self._append(seq, sample(logits[seq.seq_id], seq.params, seq.generator)))
+        return outputs
+
+    def _count_hit(self, seq: Sequence) -> None:
+        st = self.stats
+        st.resident_hit_tokens += seq.resident_hit_tokens
+        st.pool_hit_tokens += seq.pool_hit_tokens
+        st.miss_tokens += seq.num_prompt_tokens - seq.resident_hit_tokens - seq.pool_hit_tokens
+        kind = "pool" if seq.pool_hit_tokens else "resident" if seq.resident_hit_tokens else "miss"
+        st.requests_by_hit[kind] += 1
+
+    def _restore(self, restoring, logits: dict) -> None:
+        """Pool hits of this step: restore [0, pool_restore) + this step's slice, copy beyond the resident hit."""
+        requests = [(s.seq.token_ids[:s.start], s.seq.token_ids[s.start:s.start + s.num_tokens]) for s in restoring]
+        try:
+            results = self.pool.restore(requests)
+        except Exception as err:    # a failed restoration is a recompute, never a failed request
+            log.warning("pool restore failed, recomputing: %s", err)
+            self.pool.counters["restore_errors"] += 1
+            for s in restoring:
+                s.seq.pool_hit_tokens, s.seq.pool_restore = 0, 0
+                s.start = s.seq.num_computed
+            return
+        for s, res in zip(restoring, results):
+            seq, end = s.seq, s.start + s.num_tokens
+            self.cache.write_sequence(seq.block_table, res.kv, seq.num_computed, end)
+            self.stats.computed_tokens += s.num_tokens
+            if end == seq.num_tokens:
+                logits[seq.seq_id] = res.logits
+            else:
+                logits[seq.seq_id] = None    # restored, not sampled yet
+            seq.pool_restore = 0
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        now = time.perf_counter()
+        seq.first_token_s = seq.first_token_s or now
+        seq.last_token_s = now
+        seq.token_ids.append(token)
+        self.stats.generated_tokens += 1
+        p = seq.params
+        delta = ""
+        if token in seq.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif seq.num_output >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids)
+            for stop in p.stop:
+                at = text.find(stop, max(0, len(seq.text) - len(stop)))
+                if at >= 0:
+                    text, seq.finish_reason, seq.stop_text = text[:at], "stop", stop
+            if seq.finish_reason is None:
+                text = text.rstrip("\ufffd")       # an incomplete UTF-8 sequence: wait for the next token
+            if text.startswith(seq.text):
+                delta, seq.text = text[len(seq.text):], text
+        finished = seq.finish_reason is not None
+        if finished:
+            self._store(seq)
+            self.scheduler.finish(seq)
+            self.seqs.pop(seq.seq_id, None)
+            self.stats.finished += 1
+        return RequestOutput(seq.seq_id, [token], delta, finished, seq.finish_reason, seq.num_prompt_tokens,
+                             seq.num_output, seq.resident_hit_tokens + seq.pool_hit_tokens)
+
+    def _store(self, seq: Sequence) -> None:
+        if self.pool is not None and seq.block_table:
+            self.pool.store(seq.token_ids, seq.num_computed, self.cache, seq.block_table)
+
+    # ------------------------------------------------------------------------------------ one-shot
+    def generate(self, prompts: list[list[int] | str], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[Completion]:
+        """Run ``prompts`` together (continuous batching) to completion; one Completion per prompt, in order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[int, Completion] = {}
+        tokens: dict[int, list[int]] = {i: [] for i in ids}
+        texts: dict[int, str] = {i: "" for i in ids}
+        while len(done) < len(ids):
+            for out in self.step():
+                tokens[out.seq_id] += out.new_token_ids
+                texts[out.seq_id] += out.text_delta
+                if out.finished:
+                    done[out.seq_id] = Completion(out.seq_id, tokens[out.seq_id], texts[out.seq_id],
+                                                  out.finish_reason, out.prompt_tokens, out.cached_tokens)
+        return [done[i] for i in ids]
+
+    def close(self) -> None:
+        """Flush pending pool writes and stop the writer."""
+        if self.pool is not None:
+            self.pool.close()
+
+    # --------------------------------------------------------------------------------------- gauges
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)

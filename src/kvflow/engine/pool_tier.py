@@ -1,0 +1,119 @@
+"""PoolTier: the kvflow pool as the engine's next tier below the resident blocks.
+
+Lookup (at admission): the longest stored prefix of the prompt, in whole pool chunks. Restore (in the step): the
+restorer rebuilds that prefix with the configured strategy (``cacheflow`` by default; several requests restoring
+in one step go through the batch-aware scheduler) and prefills this step's slice of the prompt after it; the engine
+copies the KV into the sequence's blocks. Store (a sequence finishes or is preempted): the full pool chunks of its
+computed KV are copied out of the blocks on the engine thread and written by a writer thread through a bounded
+queue — when the queue is full the write is dropped and counted, the engine never waits for the pool.
+
+Chunks and blocks need not align: a chunk is a token range [i*C, (i+1)*C) of the sequence, read from whichever
+blocks hold those positions; only full chunks are stored (a partial chunk never is), and a restored prefix is a
+whole number of chunks whose KV is written into blocks position by position.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+
+import torch
+
+from kvflow.engine.paged_cache import PagedKVCache
+from kvflow.model.runner import parse_dtype
+
+log = logging.getLogger("kvflow.engine")
+
+
+class PoolTier:
+    def __init__(self, restorer, strategy: str = "cacheflow", queue_size: int = 64):
+        self.restorer, self.pool, self.strategy = restorer, restorer.pool, strategy
+        self.chunk_tokens = restorer.chunk_tokens
+        self.num_layers = restorer.runner.num_layers
+        self._dtype = {"dtype": parse_dtype(restorer.storage_dtype)} if restorer.storage_dtype else {}
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.counters = Counter(lookups=0, restores=0, restore_errors=0, restored_tokens=0, writes_queued=0,
+                                writes_dropped=0, records_dropped=0, records_written=0, write_errors=0)
+        self.loaded_tokens: Counter = Counter()       # per strategy: context tokens loaded (token x layer / L)
+        self.recomputed_tokens: Counter = Counter()   # ... and recomputed
+        self.restore_s = 0.0
+        self.blocked_io_s = 0.0
+        self._writer = threading.Thread(target=self._write_loop, name="kvflow-pool-writer", daemon=True)
+        self._writer.start()
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------ reading
+    def lookup(self, token_ids: list[int]) -> int:
+        """Tokens of the longest stored prefix of ``token_ids`` (a multiple of the chunk size)."""
+        if len(token_ids) < self.chunk_tokens:
+            return 0
+        self.counters["lookups"] += 1
+        req, _ = self.restorer.lookup(torch.as_tensor(token_ids, dtype=torch.long), 1)
+        return req.stored_chunks * self.chunk_tokens
+
+    def restore(self, requests: list[tuple[list[int], list[int]]]):
+        """RestoreResults (``.kv`` per layer [1, H, ctx+query, D], ``.logits``) of (context, query) pairs."""
+        pairs = [(torch.as_tensor(c, dtype=torch.long), torch.as_tensor(q, dtype=torch.long)) for c, q in requests]
+        if len(pairs) > 1 and self.strategy == "cacheflow":
+            results = self.restorer.restore_batch(pairs, "cacheflow")
+        else:
+            results = [self.restorer.restore(c, q, self.strategy) for c, q in pairs]
+        for res in results:
+            plan = res.plan
+            loaded = sum(self.num_layers - s for s in plan.split) * plan.chunk_tokens / self.num_layers
+            self.loaded_tokens[plan.strategy] += loaded
+            self.recomputed_tokens[plan.strategy] += plan.context_len - loaded
+            self.counters["restores"] += 1
+            self.counters["restored_tokens"] += plan.context_len
+            self.restore_s += res.timings.ttft_s
+            self.blocked_io_s += res.timings.blocked_io_s
+        return results
+
+    # ------------------------------------------------------------------------------------ writing
+    def store(self, token_ids: list[int], num_computed: int, cache: PagedKVCache, block_table: list[int]) -> None:
+        """Queue the full chunks of positions [0, num_computed) that the pool does not hold yet."""
+        n = num_computed // self.chunk_tokens * self.chunk_tokens
+        if n == 0 or self._closed:
+            return
+        keys = [k for row in self.restorer.keys(torch.as_tensor(token_ids[:n], dtype=torch.long)) for k in row]
+        missing = [k for k, ok in zip(keys, self.pool.contains(keys)) if not ok]
+        if not missing:
+            return
+        if self.queue.full():
+            self.counters["writes_dropped"] += 1
+            self.counters["records_dropped"] += len(missing)
+            return
+        items = {k: cache.read_block(block_table, k.tokens, k.layers) for k in missing}
+        try:
+            self.queue.put_nowait(items)
+            self.counters["writes_queued"] += 1
+        except queue.Full:
+            self.counters["writes_dropped"] += 1
+            self.counters["records_dropped"] += len(missing)
+
+    def _write_loop(self) -> None:
+        while True:
+            items = self.queue.get()
+            try:
+                if items is None:
+                    return
+                self.counters["records_written"] += self.pool.put_many(items, **self._dtype)
+            except Exception as err:   # a failed write is a miss later, never an engine failure
+                self.counters["write_errors"] += 1
+                log.warning("pool write failed: %s", err)
+            finally:
+                self.queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued write is done."""
+        self.queue.join()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+        self.queue.put(None)
+        self._writer.join(timeout=30)

@@ -1,0 +1,66 @@
+"""Sequence: one request inside the engine — its tokens, its blocks, how far its KV is computed, why it stopped."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from kvflow.engine.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(slots=True)
+class Sequence:
+    """``token_ids`` = prompt + generated tokens. KV exists for ``token_ids[:num_computed]``; the last generated
+    token's KV is computed by the next decode step. Block ``i`` of ``block_table`` holds positions
+    ``[i * block_size, (i + 1) * block_size)``."""
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of the full, computed blocks
+    num_computed: int = 0
+    resident_hit_tokens: int = 0     # prompt tokens whose KV came from resident blocks (first admission)
+    pool_hit_tokens: int = 0         # ... restored from the pool
+    pool_restore: int = 0            # at admission: tokens [0, pool_restore) to restore from the pool this step
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_text: str | None = None       # the stop string that ended it, if any
+    text: str = ""                     # detokenized output so far (stop strings are cut off)
+    generator: torch.Generator | None = None
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    admitted_once: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def remaining(self) -> int:
+        """Tokens whose KV is still to compute before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

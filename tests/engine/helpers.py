@@ -1,0 +1,20 @@
+import torch
+
+from kvflow.cost import CostModel
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_greedy(runner, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' own greedy decoding: the ground truth for every engine output."""
+    out = runner.hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+def synthetic_cost(runner, b=2e-8) -> CostModel:
+    """A fixed cost model (no profiling in tests): plans depend on it, exactness must not."""
+    return CostModel(runner.name, runner.fingerprint, 2, a=2e-6, b=b, d=3e-4, e=2e-4, head=1e-4,
+                     kv_bytes_per_token_layer=runner.kv_bytes_per_token() // runner.num_layers,
+                     num_layers=runner.num_layers)

@@ -1,0 +1,89 @@
+"""Greedy engine output equals transformers' model.generate(do_sample=False) token for token — whatever the
+batching, chunking, prefix hits or preemptions the engine goes through on the way."""
+
+import pytest
+import torch
+
+from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
+from kvflow.engine.model_runner import BatchRunner, StepItem
+from kvflow.engine.paged_cache import PagedKVCache
+from tests.engine.helpers import hf_greedy, ids
+
+MAX = 10
+
+
+def assert_greedy(tiny, engine, prompts, max_tokens=MAX):
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(tiny, prompt, max_tokens)
+    return outs
+
+
+def test_one_step_of_mixed_prefill_chunks_and_decodes_gives_each_sequences_own_logits(tiny):
+    cache = PagedKVCache(tiny.num_layers, 16, 8, tiny.kv_heads, tiny.head_dim)
+    runner = BatchRunner(tiny, cache)
+    a, b = ids(30, 1), ids(6, 2)
+    runner.execute([StepItem([0, 1, 2, 3], 0, a[:12], False), StepItem([4], 0, b, True)])
+    logits = runner.execute([StepItem([0, 1, 2, 3], 12, a[12:], True), StepItem([4], 6, [9], True)])
+    for row, tokens in zip(logits, (a, b + [9])):
+        _, ref = tiny.reference_prefill(torch.tensor(tokens))
+        assert (row - ref).abs().max().item() <= 1e-4 and row.argmax() == ref.argmax()
+
+
+def test_four_concurrent_requests_are_batched_and_each_equals_generate(tiny):
+    engine = LLMEngine(tiny, EngineConfig(block_size=8))
+    prompts = [ids(n, seed) for seed, n in enumerate((37, 5, 20, 64))]
+    assert_greedy(tiny, engine, prompts)
+    assert engine.stats.decode_steps_batched >= 3 * (MAX - 1)     # decodes shared forward passes
+    assert engine.stats.steps <= MAX + 1
+
+
+@pytest.mark.parametrize("budget,block", [(7, 4), (16, 16), (3, 5)])
+def test_a_small_token_budget_prefills_in_chunks_across_many_steps(tiny, budget, block):
+    engine = LLMEngine(tiny, EngineConfig(block_size=block, max_num_batched_tokens=budget))
+    prompts = [ids(45, 3), ids(12, 4)]
+    assert_greedy(tiny, engine, prompts)
+    assert engine.stats.steps >= 57 // budget
+
+
+def test_resident_prefix_hits_reuse_blocks_and_change_no_token(tiny):
+    engine = LLMEngine(tiny, EngineConfig(block_size=8))
+    base = ids(40, 5)
+    first = assert_greedy(tiny, engine, [base])[0]
+    follow = [base + first.token_ids + ids(3, 6), base[:33] + ids(4, 7), base]
+    outs = assert_greedy(tiny, engine, follow)
+    assert [o.cached_tokens for o in outs] == [48, 32, 32]      # whole computed blocks, never the last token
+    assert engine.stats.requests_by_hit["resident"] == 3
+
+
+def test_identical_prompts_arriving_together_share_nothing_uncomputed(tiny):
+    engine = LLMEngine(tiny, EngineConfig(block_size=4, max_num_batched_tokens=6))
+    prompt = ids(25, 8)
+    assert_greedy(tiny, engine, [prompt, prompt, prompt])
+
+
+def test_preemption_under_a_tiny_block_budget_recomputes_and_changes_no_token(tiny):
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=7, block_size=4))
+    assert_greedy(tiny, engine, [ids(9, 9), ids(10, 10)], max_tokens=14)
+    assert engine.stats.preemptions >= 1
+    assert engine.blocks.num_free == engine.num_blocks
+
+
+def test_without_chunked_prefill_a_prompt_waits_until_it_fits_one_step(tiny):
+    engine = LLMEngine(tiny, EngineConfig(block_size=8, chunked_prefill=False, max_num_batched_tokens=40))
+    assert_greedy(tiny, engine, [ids(30, 11), ids(25, 12)])
+
+
+def test_without_prefix_caching_nothing_is_shared(tiny):
+    engine = LLMEngine(tiny, EngineConfig(block_size=8, enable_prefix_caching=False))
+    base = ids(40, 13)
+    assert_greedy(tiny, engine, [base])
+    assert assert_greedy(tiny, engine, [base])[0].cached_tokens == 0
+
+
+def test_eos_stops_a_request_as_generate_does(tiny):
+    engine = LLMEngine(tiny, EngineConfig())
+    prompt = ids(12, 14)
+    first = hf_greedy(tiny, prompt, 3)
+    out = engine.generate([prompt], SamplingParams(max_tokens=8, stop_token_ids=[first[1]]))[0]
+    assert out.token_ids == first[:2] and out.finish_reason == "stop"
