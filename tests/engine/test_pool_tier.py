@@ -1,0 +1,98 @@
+"""The pool is the tier below the resident blocks: a prefix not resident is restored from the pool by any strategy
+and the output still equals generate; finished and preempted sequences are stored asynchronously; a full write
+queue drops (and counts) writes instead of blocking the engine."""
+
+import threading
+
+import pytest
+
+from kvflow import KVPool, Restorer
+from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
+from kvflow.planner import STRATEGIES
+from tests.engine.helpers import hf_greedy, ids, synthetic_cost
+
+
+@pytest.fixture
+def restorer(tiny):
+    return Restorer(tiny, KVPool.memory("64M", chunk_tokens=32), cost=synthetic_cost(tiny))
+
+
+def engine(tiny, restorer, **cfg):
+    return LLMEngine(tiny, EngineConfig(**{"block_size": 16, **cfg}), restorer=restorer)
+
+
+def test_a_finished_conversation_is_restored_from_the_pool_by_a_fresh_engine(tiny, restorer):
+    first = engine(tiny, restorer)
+    base = ids(100, 1)
+    out = first.generate([base], SamplingParams(max_tokens=5))[0]
+    first.close()                                              # flushes the write queue
+    assert first.pool.counters["records_written"] == 3 * tiny.num_layers    # 104 computed tokens: 3 full chunks
+    second = engine(tiny, restorer)
+    prompt = base + out.token_ids + ids(3, 2)
+    res = second.generate([prompt], SamplingParams(max_tokens=6))[0]
+    assert res.token_ids == hf_greedy(tiny, prompt, 6)
+    assert res.cached_tokens == 96 and second.stats.requests_by_hit["pool"] == 1
+    second.close()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_restores_pool_hits_exactly(tiny, restorer, strategy):
+    restorer.store(ids(130, 3))
+    eng = engine(tiny, restorer, strategy=strategy, max_num_batched_tokens=24)
+    prompts = [ids(130, 3) + ids(5, 4), ids(130, 3)[:70] + ids(2, 5)]          # 4 and 2 chunks stored
+    outs = eng.generate(prompts, SamplingParams(max_tokens=5))
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny, p, 5) for p in prompts]
+    assert [o.cached_tokens for o in outs] == [128, 64]
+    assert eng.pool.counters["restores"] == 2
+    eng.close()
+
+
+def test_a_pool_hit_longer_than_the_resident_hit_keeps_the_resident_blocks(tiny, restorer):
+    base = ids(100, 6)
+    restorer.store(base)                                       # 3 chunks in the pool
+    eng = engine(tiny, restorer)
+    eng.generate([base[:40]], SamplingParams(max_tokens=1))   # 2 resident blocks of 16
+    out = eng.generate([base + [7]], SamplingParams(max_tokens=4))[0]
+    assert out.token_ids == hf_greedy(tiny, base + [7], 4)
+    assert out.cached_tokens == 96
+    eng.close()
+
+
+def test_preempted_sequences_come_back_exactly_through_the_pool_or_recompute(tiny):
+    restorer = Restorer(tiny, KVPool.memory("64M", chunk_tokens=8), cost=synthetic_cost(tiny))
+    eng = LLMEngine(tiny, EngineConfig(num_blocks=9, block_size=4, enable_prefix_caching=False),
+                    restorer=restorer)
+    prompts = [ids(13, 7), ids(14, 8)]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=16))
+    assert eng.stats.preemptions >= 1
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny, p, 16) for p in prompts]
+    eng.close()
+
+
+def test_a_full_write_queue_drops_and_counts_instead_of_blocking(tiny, restorer):
+    gate = threading.Event()
+    put = restorer.pool.put_many
+    restorer.pool.put_many = lambda items, **kw: (gate.wait(30), put(items, **kw))[1]
+    eng = engine(tiny, restorer, write_queue=1)
+    prompts = [ids(40, 10 + i) for i in range(4)]              # each finishes with a full chunk to store
+    outs = eng.generate(prompts, SamplingParams(max_tokens=2))
+    assert len(outs) == 4                                      # the engine finished with the writer stuck
+    c = eng.pool.counters
+    assert c["writes_dropped"] >= 2 and c["records_dropped"] == c["writes_dropped"] * tiny.num_layers
+    gate.set()
+    eng.close()
+    assert c["records_written"] == (4 - c["writes_dropped"]) * tiny.num_layers
+
+
+def test_a_failing_restoration_falls_back_to_recompute(tiny, restorer):
+    base = ids(70, 11)
+    restorer.store(base)
+    eng = engine(tiny, restorer)
+
+    def broken(requests):
+        raise RuntimeError("device gone")
+    eng.pool.restore = broken
+    out = eng.generate([base + [3]], SamplingParams(max_tokens=4))[0]
+    assert out.token_ids == hf_greedy(tiny, base + [3], 4)
+    assert eng.pool.counters["restore_errors"] == 1
+    eng.close()
