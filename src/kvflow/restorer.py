@@ -91,8 +91,8 @@ class Restorer:
         # measured / predicted speed, folded in after every restoration (cost/calibration.py); None: plan on the
         # profiled model as it is
         self.calibration = Calibration() if calibrate else None
-        self.planner_config = planner or PlannerConfig()
-        self.storage_dtype = storage_dtype
+        self.planner_config = planner or PlannerConfig.load()
+        self.storage_dtype = storage_dtype       # None: the pool's storage dtype
         self.executor = Executor(runner, pool)
         self.chunk_tokens = pool.chunk_tokens
         self.groups = layer_groups(runner.num_layers, 1)
@@ -126,7 +126,7 @@ class Restorer:
             n = len(keys) * self.chunk_tokens
             cache, hidden = self._prefill_capturing(ids[:n], boundaries)
             items = {k: cache.read_block(k.tokens, k.layers) for k in missing}
-            self.pool.put_many(items, **({"dtype": self._dtype()} if self.storage_dtype else {}))
+            self.pool.put_many(items, dtype=self._dtype())
             written = sum(HEADER_SIZE + t.numel() * self._dtype().itemsize for t in items.values())
             act_items = {k: hidden[k.layers[0]][:, k.tokens[0]:k.tokens[1]] for k in missing_acts}
             self.pool.put_many(act_items, dtype=ACT_DTYPE)
@@ -150,16 +150,21 @@ class Restorer:
         return cache, hidden
 
     def _dtype(self) -> torch.dtype:
+        """The dtype records are stored in: the one asked for, else the pool's own (what put_many uses)."""
         from kvflow.model.runner import parse_dtype
-        return parse_dtype(self.storage_dtype or "float32")
+        return parse_dtype(self.storage_dtype) if self.storage_dtype else self.pool.dtype
 
     # ------------------------------------------------------------------------------------ planning
     def io_model(self, calibrated: bool = True) -> IOModel:
+        """The pool's read bandwidth and per-read latency; the executor keeps ``depth`` reads in flight, so each
+        read waits latency / depth beyond its bytes."""
         cell = self.chunk_tokens * self.cost.kv_bytes_per_token_layer * self._dtype().itemsize // 4 + HEADER_SIZE
         bandwidth = float(self.pool.read_bandwidth)
         if calibrated and self.calibration is not None:
             bandwidth /= self.calibration.io
-        return IOModel(bandwidth=bandwidth, cell_bytes=cell)
+        depth = max(2, getattr(self.pool, "parallelism", 1))
+        return IOModel(bandwidth=bandwidth, cell_bytes=cell,
+                       step_latency=float(getattr(self.pool, "read_latency", 0.0)) / depth)
 
     def planned_cost(self) -> CostModel:
         """The cost model plans are made with: the profile, scaled by the speed measured since."""
@@ -208,22 +213,28 @@ class Restorer:
 
         scheduler "batch" (default for cacheflow): global compute and I/O pointers over the whole batch
         (planner/batch.py). scheduler "fcfs" (default otherwise): each request restored in turn with its own
-        ``strategy`` plan, as an engine without batch awareness does."""
+        ``strategy`` plan, as an engine without batch awareness does; "sjf": the same, shortest predicted
+        restoration first (what reordering alone gains)."""
         scheduler = scheduler or ("batch" if strategy == "cacheflow" else "fcfs")
-        if scheduler not in ("batch", "fcfs"):
-            raise KVFlowError(f"unknown scheduler {scheduler!r}: use batch or fcfs")
+        if scheduler not in ("batch", "fcfs", "sjf"):
+            raise KVFlowError(f"unknown scheduler {scheduler!r}: use batch, fcfs or sjf")
         if scheduler == "batch" and strategy != "cacheflow":
             raise KVFlowError("the batch-aware scheduler plans its own splits: use strategy='cacheflow'")
         pairs = [_check_request(c, q) for c, q in requests]
         t0 = time.perf_counter()
-        if scheduler == "fcfs":
-            results = []
-            for ctx, query in pairs:
+        if scheduler in ("fcfs", "sjf"):
+            order = list(range(len(pairs)))
+            if scheduler == "sjf":
+                planner = self.planner()
+                work = [planner.plan(strategy, self.lookup(ctx, q.numel())[0]).predicted.ttft_s for ctx, q in pairs]
+                order.sort(key=lambda r: (work[r], r))
+            results: list[RestoreResult | None] = [None] * len(pairs)
+            for r in order:
                 offset = time.perf_counter() - t0
-                res = self.restore(ctx, query, strategy)
+                res = self.restore(*pairs[r], strategy)
                 res.timings.start_s = offset
                 res.timings.ttft_s += offset
-                results.append(res)
+                results[r] = res
             return results
         looked = [self.lookup(ctx, query.numel()) for ctx, query in pairs]
         lookup = time.perf_counter() - t0

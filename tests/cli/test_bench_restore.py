@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args, tmp_path):
     return subprocess.run([sys.executable, "-m", "kvflow", "bench", "restore", *args, "--out", str(tmp_path / "out")],
@@ -14,19 +16,28 @@ def run(*args, tmp_path):
 
 def test_rho_and_length_sweeps_write_json_and_pngs(tmp_path):
     proc = run("--model", "tiny", "--context", "1024", "--rho", "1,8", "--lengths", "256,1024", "--repeats", "1",
-               "--json", tmp_path=tmp_path)
+               "--latency", "0.001", "--json", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     points = result["rho_sweep"]
-    assert [p["rho"] for p in points[:2]] == [1.0, 8.0] and points[2]["pool"].startswith("disk")
+    assert [(p["rho"], p["latency_s"]) for p in points[:3]] == [(1.0, 0.0), (8.0, 0.0), (1.0, 0.001)]
+    assert points[3]["pool"].startswith("disk")
+    # rho is defined once: the link is rho x the recompute rate measured at the start of the run
+    rate = result["recompute_rate_mib_s"] * 2**20
+    assert points[0]["link_bytes_per_s"] == pytest.approx(rate) and points[1]["link_bytes_per_s"] == pytest.approx(8 * rate)
     for p in points + result["length_sweep"]:
         rows = {r["strategy"]: r for r in p["rows"]}
         assert set(rows) == {"recompute", "load", "load-layerwise", "cake", "token", "layer", "staircase",
                              "cacheflow"}
         assert all(r["max_abs_diff"] <= 1e-4 and r["argmax_ok"] and r["ttft_s"] > 0 for r in rows.values())
         assert p["speedups"]["best_other"] in rows
+        # one measured bound per point, the same for every strategy, reported beside the model's
+        assert len({r["measured_bound_s"] for r in rows.values()}) == 1
+        assert all(r["vs_measured_bound"] == pytest.approx(r["ttft_s"] / r["measured_bound_s"]) for r in rows.values())
+        assert all(r["model_bound_s"] > 0 for r in rows.values())
     acc = result["acceptance"]
     assert 0 < acc["rho1_cacheflow_vs_cake"] and acc["max_abs_diff"] <= 1e-4
+    assert acc["rho1_cacheflow_vs_measured_bound"] > 0
     for png in ("rho-sweep.png", "length-sweep.png", "timeline.png"):
         assert (tmp_path / "out" / png).stat().st_size > 10_000
     assert json.loads((tmp_path / "out" / "restore.json").read_text())["model"] == "tiny"
@@ -39,8 +50,9 @@ def test_batch_mode_compares_schedulers(tmp_path):
     result = json.loads((tmp_path / "out" / "restore-batch.json").read_text())
     (batch,) = result["batches"]
     assert len(batch["lengths"]) == 3 and batch["max_abs_diff"] <= 1e-4
-    assert set(batch["modes"]) == {"cacheflow/batch", "cake/fcfs", "token/fcfs", "cacheflow/fcfs"}
-    # the whole-batch bound is a bound: no measured schedule finishes its last request before it
-    assert 0 < batch["lower_bound_s"] <= min(m["max"] for m in batch["modes"].values()) * 1.05
-    assert "whole-batch T*" in proc.stdout
+    assert set(batch["modes"]) == {"cacheflow/batch", "cacheflow/sjf", "cacheflow/fcfs", "cake/fcfs"}
+    assert all(set(m) == {"mean", "p50", "p90", "p99", "max"} for m in batch["modes"].values())
+    assert batch["measured_bound_s"] > 0 and batch["model_bound_s"] > 0 and set(batch["batch_vs_sjf"]) >= {"mean"}
+    assert "P99 of a batch of 8 or fewer is its maximum" in proc.stdout
+    assert "measured whole-batch bound" in proc.stdout
     assert (tmp_path / "out" / "batch.png").stat().st_size > 10_000

@@ -28,7 +28,6 @@ from kvflow.errors import KVFlowError
 from kvflow.model import load_model
 from kvflow.planner import PlannerConfig, Request
 from kvflow.planner.pipeline import PipelinePlanner, even_split, parse_split, stage_rate
-from kvflow.planner.predict import step_time
 
 Progress = Callable[[str], None]
 
@@ -71,7 +70,7 @@ def compute_speed(cost: CostModel, report) -> float | None:
     fast as alone; 0.5 = each stage got half a core (this machine's cores are not independent)."""
     steps = [(e[1], e[2], e[4] - e[3], e[6] - e[5]) for e in report.events if e[0] in ("compute", "fallback")]
     actual = sum(t for *_, t in steps)
-    return sum(step_time(cost, (a, b), n) for a, b, n, _ in steps) / actual if actual > 0 else None
+    return sum(cost.step_time((a, b), n) for a, b, n, _ in steps) / actual if actual > 0 else None
 
 
 def _splits(cfg: PipelineBenchConfig, runner, planner: PipelinePlanner, req: Request, cost) -> dict[int, list]:

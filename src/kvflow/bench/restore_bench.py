@@ -1,10 +1,12 @@
 """`kvflow bench restore` and `kvflow demo`: every strategy, same model, same pool, same run.
 
 Links are emulated by throttling the pool to ``rho x`` the rate at which recompute produces KV bytes at short
-context (DESIGN.md §5); the unthrottled run reads a real file on this machine's disk through the passthrough
-(O_DIRECT extent) device. Every restore is checked against one fresh full prefill (max |diff| reported).
-Strategies are measured interleaved, ``repeats`` times; the median is reported, so drift in machine load
-hits every strategy alike.
+context, measured warm once at the start of the run (DESIGN.md §5; not the profile, not the calibrated model); the
+unthrottled run reads a real file on this machine's disk through the passthrough (O_DIRECT extent) device. Every
+restore is checked against one fresh full prefill (max |diff| reported). Strategies are measured interleaved,
+``repeats`` times, with one probe of the measured bound (bench/bound.py) among them each repeat; medians are
+reported, so drift in machine load hits every strategy and the bound alike. The headline is ``vs_measured_bound``:
+TTFT over the bound built from this run's measurements; the cost model's T* is reported beside it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from kvflow.bench.bound import CellProbe, QueryTimes, batch_bound, odirect_read_rate, recompute_rate
 from kvflow.bench.common import odirect_supported, save_figure
 from kvflow.cost.model import CostModel
 from kvflow.errors import KVFlowError
@@ -56,6 +59,34 @@ class Bench:
     tmp: tempfile.TemporaryDirectory | None = None
     storage_dtype: str = "float32"   # KV records; only float32 restores exactly
     restorers: dict = field(default_factory=dict)
+    recompute_rate: float = 0.0      # KV bytes/s of recompute at short context, measured warm at the start
+    links: dict = field(default_factory=dict)       # pool name -> (bytes/s, latency s) the link runs at now
+    probes: dict = field(default_factory=dict)      # context key -> what its measured bound was built from
+
+    def set_link(self, pool_name: str, rho: float | None, latency_s: float = 0.0) -> float:
+        """Throttle ``pool_name`` to rho x the measured recompute rate (+ a per-read latency); None: unthrottled
+        (a real disk: its rate is measured with raw O_DIRECT reads when a bound needs it). Returns bytes/s."""
+        pool = self.pools[pool_name]
+        if rho is None:
+            pool.set_throttle(None)
+            self.links[pool_name] = (None, 0.0)
+            return float("nan")
+        rate = rho * self.recompute_rate
+        if latency_s:
+            pool.set_throttle(rate, latency_s=latency_s)
+        else:
+            pool.set_throttle(rate)
+        self.links[pool_name] = (rate, latency_s)
+        return rate
+
+    def link_rate(self, pool_name: str, n: int) -> float:
+        """The link's physical rate for the bound: what the throttle enforces, or the raw disk measured alone."""
+        rate, _ = self.links.get(pool_name, (None, 0.0))
+        if rate is not None:
+            return rate
+        cell = self.restorer(pool_name).io_model(calibrated=False).cell_bytes
+        nbytes = (n // self.chunk_tokens) * self.runner.num_layers * cell
+        return odirect_read_rate(str(Path(self.tmp.name) / "disk.img"), nbytes)
 
     def restorer(self, pool_name: str) -> Restorer:
         """One restorer per pool for the whole run, so its run-time calibration carries from point to point."""
@@ -97,6 +128,8 @@ def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: i
     kv = runner.kv_bytes_per_token()
     need = ((int(sum(lengths) * kv * 1.3) >> 20) + 64) << 20  # whole MiB: extent devices want aligned sizes
     bench = Bench(runner, cost, chunk_tokens, query_len, storage_dtype=storage_dtype)
+    progress("measuring the recompute rate (rho's denominator)")
+    bench.recompute_rate = recompute_rate(runner, chunk_tokens)
     bench.pools["memory"] = KVPool.memory(need, devices=2, chunk_tokens=chunk_tokens)
     if disk_dir is not None:
         bench.tmp = tempfile.TemporaryDirectory(prefix="kvflow-bench-", dir=disk_dir)
@@ -113,46 +146,61 @@ def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: i
     return bench
 
 
+PROBE = "(bound probe)"
+
+
 def measure(bench: Bench, pool_name: str, n: int, strategies, repeats: int, progress: Progress,
             label: str) -> dict[str, dict]:
-    """Median TTFT etc. of each strategy on the ``n``-token context. Strategies are interleaved and their order
-    rotates every repeat (no strategy always runs first or last); the heap is collected before each restore;
-    each result is checked against the reference and its KV dropped at once, so memory stays flat."""
+    """Median TTFT etc. of each strategy on the ``n``-token context, and the measured bound. Strategies and one
+    bound probe are interleaved and their order rotates every repeat (nothing always runs first or last); the heap
+    is collected before each restore; each result is checked against the reference and its KV dropped at once, so
+    memory stays flat."""
     restorer = bench.restorer(pool_name)
     ctx, query = bench.contexts[n]
     ref_argmax = bench.refs[n][1].argmax().item()
     runs: dict[str, list[tuple[RestoreResult, float, bool]]] = {s: [] for s in strategies}
-    order = list(strategies)
+    probe = CellProbe(bench.chunk_tokens, bench.runner.num_layers)
+    order = list(strategies) + [PROBE]
+    ids = torch.cat([ctx, query])
+    step = restorer.planner_config.max_step
     for rep in range(repeats):
         for s in order[rep % len(order):] + order[:rep % len(order)]:
-            progress(f"{label}: {s} ({rep + 1}/{repeats})")
+            progress(f"{label}: {'measuring the bound' if s == PROBE else s} ({rep + 1}/{repeats})")
             gc.collect()
+            if s == PROBE:
+                probe.probe(bench.runner, ids, n // bench.chunk_tokens, step, step)
+                continue
             out = restorer.restore(ctx, query, s)
             diff, ok = kv_diff(out, bench.refs[n]), out.logits.argmax().item() == ref_argmax
             out.kv = None
             runs[s].append((out, diff, ok))
+    link = bench.link_rate(pool_name, n)
+    cell = restorer.io_model(calibrated=False).cell_bytes
+    bound = probe.bound(link, cell)
     rows = {}
     for s, outs in runs.items():
         mid = sorted(outs, key=lambda o: o[0].timings.ttft_s)[len(outs) // 2][0]
         t = mid.timings
+        ttft = statistics.median(o.timings.ttft_s for o, _, _ in outs)
         rows[s] = {
-            "strategy": s, "context": n, "ttft_s": statistics.median(o.timings.ttft_s for o, _, _ in outs),
+            "strategy": s, "context": n, "ttft_s": ttft,
             "ttft_runs": [o.timings.ttft_s for o, _, _ in outs], "predicted_s": t.predicted_ttft_s,
-            "lower_bound_s": t.lower_bound_s,
-            "vs_lower_bound": statistics.median(o.timings.vs_lower_bound for o, _, _ in outs),
+            "measured_bound_s": bound, "vs_measured_bound": ttft / bound,
+            "model_bound_s": t.lower_bound_s,
+            "vs_model_bound": statistics.median(o.timings.vs_lower_bound for o, _, _ in outs),
             "restore_s": t.restore_s, "compute_util": t.compute_util, "io_util": t.io_util,
             "blocked_io_s": t.blocked_io_s, "lookup_s": t.lookup_s, "plan_s": t.plan_s,
             "max_abs_diff": max(d for _, d, _ in outs), "argmax_ok": all(ok for _, _, ok in outs),
             "plan": mid.plan.describe(), "chose": mid.plan.notes.get("chose", s),
             "fallback_chunks": mid.fallback_chunks, "_result": mid,
         }
+    bench.probes[n] = {"link_bytes_per_s": link, "cell_bytes": cell, "measured_bound_s": bound, **probe.summary()}
     return rows
 
 
 def rho_bandwidth(bench: Bench, rho: float) -> float:
-    """rho x the rate recompute produces KV bytes at short context — at the speed the machine runs now (the
-    profile scaled by the run-time calibration of the memory pool's restorer)."""
-    return bench.restorer("memory").planned_cost().bandwidth_for_rho(rho, bench.chunk_tokens)
+    """rho x the rate recompute produces KV bytes at short context, as measured at the start of this run."""
+    return rho * bench.recompute_rate
 
 
 def speedups(rows: dict[str, dict]) -> dict:
@@ -167,27 +215,37 @@ def public(rows: dict[str, dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows.values()]
 
 
-def sweep_rho(bench: Bench, n: int, rhos, strategies, repeats: int, progress: Progress) -> list[dict]:
-    """Throttled memory pool at each rho (+ "disk": the real disk, unthrottled, if the bench has one)."""
+def sweep_rho(bench: Bench, n: int, rhos, strategies, repeats: int, progress: Progress,
+              latencies=()) -> list[dict]:
+    """Throttled memory pool at each rho, then at rho = 1 with each per-read latency in ``latencies`` (seconds: a
+    link's request latency, which many small reads pay), then "disk": the real disk, unthrottled, if the bench
+    has one."""
     points = []
-    for rho in rhos:
-        bench.pools["memory"].set_throttle(rho_bandwidth(bench, rho))
-        rows = measure(bench, "memory", n, strategies, repeats, progress, f"{n} tokens, rho={rho:g}")
-        points.append({"rho": rho, "pool": "memory (throttled)", "context": n, "rows": rows})
+    for rho, latency in [(r, 0.0) for r in rhos] + [(1.0, lat) for lat in latencies]:
+        rate = bench.set_link("memory", rho, latency)
+        label = f"{n} tokens, rho={rho:g}" + (f", {latency * 1e6:.0f} us/read" if latency else "")
+        rows = measure(bench, "memory", n, strategies, repeats, progress, label)
+        points.append({"rho": rho, "latency_s": latency, "link_bytes_per_s": rate,
+                       "pool": "memory (throttled)" + (f" + {latency * 1e6:.0f} us per read" if latency else ""),
+                       "context": n, "rows": rows, "bound": bench.probes[n]})
     if "disk" in bench.pools:
         # a real disk varies far more run to run than a throttle: more repeats
+        bench.set_link("disk", None)
         rows = measure(bench, "disk", n, strategies, max(3 * repeats, 7), progress, f"{n} tokens, real disk")
-        bw = bench.pools["disk"].read_bandwidth
-        points.append({"rho": bw / rho_bandwidth(bench, 1.0), "pool": "disk (unthrottled, O_DIRECT)", "context": n,
-                       "rows": rows})
+        link = bench.probes[n]["link_bytes_per_s"]
+        points.append({"rho": link / bench.recompute_rate, "latency_s": 0.0, "link_bytes_per_s": link,
+                       "pool": "disk (unthrottled, O_DIRECT)", "context": n, "rows": rows, "bound": bench.probes[n]})
     return points
 
 
 def sweep_length(bench: Bench, lengths, rho: float, strategies, repeats: int, progress: Progress) -> list[dict]:
-    bench.pools["memory"].set_throttle(rho_bandwidth(bench, rho))
-    return [{"rho": rho, "pool": "memory (throttled)", "context": n,
-             "rows": measure(bench, "memory", n, strategies, repeats, progress, f"{n} tokens, rho={rho:g}")}
-            for n in lengths]
+    rate = bench.set_link("memory", rho)
+    points = []
+    for n in lengths:
+        rows = measure(bench, "memory", n, strategies, repeats, progress, f"{n} tokens, rho={rho:g}")
+        points.append({"rho": rho, "latency_s": 0.0, "link_bytes_per_s": rate, "pool": "memory (throttled)",
+                       "context": n, "rows": rows, "bound": bench.probes[n]})
+    return points
 
 
 def crossover(points: list[dict]) -> dict:
@@ -210,8 +268,11 @@ def crossover(points: list[dict]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ batches
-def batch_lengths(size: int, seed: int, lo: int = 512, hi: int = 8192, chunk: int = 256) -> list[int]:
-    """Mixed context lengths, log-uniform in [lo, hi], rounded to whole chunks (documented in BENCHMARKS.md)."""
+def batch_lengths(size: int, seed: int, lo: int = 512, hi: int | None = None, chunk: int = 256) -> list[int]:
+    """Mixed context lengths, log-uniform in [lo, hi], rounded to whole chunks (documented in BENCHMARKS.md). ``hi``
+    defaults to 8192 for up to 8 requests and 4096 beyond (a batch of 32 whose percentiles mean something, in
+    minutes on this machine)."""
+    hi = hi or (8192 if size <= 8 else 4096)
     g = torch.Generator().manual_seed(seed)
     u = torch.rand(size, generator=g).tolist()
     return [max(chunk, int(round(math.exp(math.log(lo) + x * (math.log(hi) - math.log(lo))) / chunk)) * chunk)
@@ -232,48 +293,71 @@ def ttft_stats(values: list[float]) -> dict:
             "p99": percentile(values, 0.99), "max": max(values)}
 
 
+BATCH_MODES = (("cacheflow", "batch"), ("cacheflow", "sjf"), ("cacheflow", "fcfs"), ("cake", "fcfs"))
+
+
 def measure_batch(bench: Bench, lengths: list[int], rho: float, repeats: int, progress: Progress) -> dict:
-    """Batch-aware cacheflow vs per-request FCFS (cake, token, cacheflow), all requests arriving together.
-    Every request has its own context, even when two have the same length."""
+    """Batch-aware cacheflow vs per-request cacheflow in shortest-job-first order (the reordering alone), in arrival
+    order, and FCFS cake; all requests arriving together, every request its own context. One probe of the measured
+    whole-batch bound runs among the modes each repeat: the longest context's cells (a cell costs the same at the
+    same position whatever its tokens) and every request's query, measured alone."""
     keys = [("batch", len(lengths), i) for i in range(len(lengths))]
     for i, (n, key) in enumerate(zip(lengths, keys)):
         progress(f"storing request {i + 1}/{len(lengths)} of the batch ({n} tokens)")
         bench.add_context(n, key, seed=1000 * len(lengths) + i)
-    bench.pools["memory"].set_throttle(rho_bandwidth(bench, rho))
+    rate = bench.set_link("memory", rho)
     restorer = bench.restorer("memory")
     requests = [bench.contexts[key] for key in keys]
-    modes = [("cacheflow", "batch"), ("cake", "fcfs"), ("token", "fcfs"), ("cacheflow", "fcfs")]
-    runs: dict[str, list[list[float]]] = {f"{s}/{m}": [] for s, m in modes}
-    worst_diff, bounds = 0.0, []
+    C = bench.chunk_tokens
+    longest = max(range(len(requests)), key=lambda r: lengths[r])
+    probe = CellProbe(C, bench.runner.num_layers)
+    queries = [probe.own if r == longest else QueryTimes() for r in range(len(requests))]
+    others = [(queries[r], torch.cat(requests[r])[n // C * C:], n // C * C)
+              for r, n in enumerate(lengths) if r != longest]
+    modes = list(BATCH_MODES) + [(PROBE, "")]
+    runs: dict[str, list[list[float]]] = {f"{s}/{m}": [] for s, m in BATCH_MODES}
+    worst_diff, model_bounds = 0.0, []
+    step = restorer.planner_config.max_step
     for rep in range(repeats):
         for s, m in modes[rep % len(modes):] + modes[:rep % len(modes)]:
-            progress(f"batch of {len(lengths)}: {s}/{m} ({rep + 1}/{repeats})")
+            progress(f"batch of {len(lengths)}: {'measuring the bound' if s == PROBE else f'{s}/{m}'} "
+                     f"({rep + 1}/{repeats})")
             gc.collect()
+            if s == PROBE:
+                probe.probe(bench.runner, torch.cat(requests[longest]), lengths[longest] // C, step, step, others)
+                continue
             outs = restorer.restore_batch(requests, s, m)
             runs[f"{s}/{m}"].append([o.timings.ttft_s for o in outs])
             if m == "batch":
-                bounds.append(outs[0].plan.lower_bound_s)
+                model_bounds.append(outs[0].plan.lower_bound_s)
             worst_diff = max([worst_diff] + [kv_diff(o, bench.refs[key]) for o, key in zip(outs, keys)])
-    result = {"lengths": lengths, "rho": rho, "max_abs_diff": worst_diff, "modes": {}}
+            for o in outs:
+                o.kv = None
+    bound = batch_bound(probe, [(n // C, q) for n, q in zip(lengths, queries)], rate,
+                        restorer.io_model(calibrated=False).cell_bytes)
+    result = {"lengths": lengths, "rho": rho, "link_bytes_per_s": rate, "max_abs_diff": worst_diff, "modes": {},
+              "note": "P99 of a batch of 8 or fewer is its maximum" if len(lengths) <= 8 else ""}
     for name, reps in runs.items():
         per_rep = [ttft_stats(r) for r in reps]
         result["modes"][name] = {k: statistics.median(p[k] for p in per_rep) for k in per_rep[0]}
+    batch, sjf = result["modes"]["cacheflow/batch"], result["modes"]["cacheflow/sjf"]
     fcfs = result["modes"]["cake/fcfs"]
-    batch = result["modes"]["cacheflow/batch"]
-    result["batch_vs_fcfs_cake"] = {k: batch[k] / fcfs[k] for k in ("mean", "p50", "p90", "p99")}
-    # T* of the whole batch: no schedule finishes its last request sooner (cost model, calibrated). Its ratio to
-    # FCFS cake's last TTFT is the most any scheduler could gain on the tail here
-    bound = statistics.median(bounds)
-    result["lower_bound_s"] = bound
-    result["lower_bound_vs_fcfs_cake_max"] = bound / fcfs["max"]
-    result["batch_max_vs_lower_bound"] = batch["max"] / bound
+    stats = ("mean", "p50", "p90", "p99", "max")
+    result["batch_vs_sjf"] = {k: batch[k] / sjf[k] for k in stats}
+    result["batch_vs_fcfs_cake"] = {k: batch[k] / fcfs[k] for k in stats}
+    # no schedule finishes the whole batch before the measured bound: its ratio to SJF's last TTFT is the most any
+    # scheduler could gain on the tail over shortest-first per-request restoration here
+    result["measured_bound_s"] = bound
+    result["measured_bound_vs_sjf_max"] = bound / sjf["max"]
+    result["batch_max_vs_measured_bound"] = batch["max"] / bound
+    result["model_bound_s"] = statistics.median(model_bounds)
     return result
 
 
 # ----------------------------------------------------------------------------------------------- output
 def plot_rho(points: list[dict], path: Path, title: str) -> None:
     """TTFT of every strategy vs rho (with T*), and each strategy's TTFT over cacheflow's."""
-    swept = [p for p in points if p["pool"].startswith("memory")]
+    swept = [p for p in points if p["pool"].startswith("memory") and not p.get("latency_s")]
     rhos = [p["rho"] for p in swept]
     strategies = list(swept[0]["rows"])
 
@@ -285,7 +369,9 @@ def plot_rho(points: list[dict], path: Path, title: str) -> None:
             if s != "cacheflow":
                 sp.plot(rhos, [p["rows"][s]["ttft_s"] / p["rows"]["cacheflow"]["ttft_s"] for p in swept],
                         marker="o", label=f"{s} / cacheflow")
-        ax.plot(rhos, [p["rows"]["cacheflow"]["lower_bound_s"] for p in swept], "k--", lw=1, label="T* (lower bound)")
+        ax.plot(rhos, [p["rows"]["cacheflow"]["measured_bound_s"] for p in swept], "k--", lw=1,
+                label="measured bound")
+        ax.plot(rhos, [p["rows"]["cacheflow"]["model_bound_s"] for p in swept], "k:", lw=1, label="model T*")
         ax.set(xscale="log", yscale="log", xlabel="rho = I/O bandwidth / recompute rate", ylabel="TTFT (s)",
                title=title)
         sp.axhline(1.0, color="k", lw=0.8)
@@ -299,30 +385,31 @@ def plot_rho(points: list[dict], path: Path, title: str) -> None:
 
 
 def plot_lengths(points: list[dict], path: Path, title: str) -> None:
-    """TTFT / T* of every strategy vs context length: where layer split stops paying."""
+    """TTFT / measured bound of every strategy vs context length: where layer split stops paying."""
     lens = [p["context"] for p in points]
 
     def draw(axes):
         (ax,) = axes
         for s in points[0]["rows"]:
-            ax.plot(lens, [p["rows"][s]["ttft_s"] / p["rows"]["cacheflow"]["lower_bound_s"] for p in points],
+            ax.plot(lens, [p["rows"][s]["vs_measured_bound"] for p in points],
                     marker="o", label=s, lw=2.5 if s == "cacheflow" else 1.2)
         ax.set_xscale("log", base=2)
-        ax.set(xlabel="context tokens", ylabel="TTFT / T*", title=title)
+        ax.set(xlabel="context tokens", ylabel="TTFT / measured bound", title=title)
         ax.legend(fontsize=7)
 
     save_figure(path, draw, size=(7.0, 4.5))
 
 
 def plot_batch(results: list[dict], path: Path, title: str) -> None:
-    """Mean / P50 / P99 TTFT of each scheduler, one panel per batch size."""
+    """Mean / P50 / P90 / P99 TTFT of each scheduler (and the measured whole-batch bound), one panel per batch."""
     def draw(axes):
         for ax, res in zip(axes, results):
             modes = list(res["modes"])
-            for j, stat in enumerate(("mean", "p50", "p99")):
-                ax.bar([i + 0.27 * j for i in range(len(modes))], [res["modes"][m][stat] for m in modes],
-                       width=0.27, label=stat)
-            ax.set_xticks([i + 0.27 for i in range(len(modes))], modes, rotation=20, fontsize=7)
+            for j, stat in enumerate(("mean", "p50", "p90", "p99")):
+                ax.bar([i + 0.2 * j for i in range(len(modes))], [res["modes"][m][stat] for m in modes],
+                       width=0.2, label=stat)
+            ax.axhline(res["measured_bound_s"], color="k", ls="--", lw=1, label="measured bound (whole batch)")
+            ax.set_xticks([i + 0.3 for i in range(len(modes))], modes, rotation=20, fontsize=7)
             ax.set(title=f"batch of {len(res['lengths'])}", ylabel="TTFT (s)")
             ax.legend(fontsize=7, loc="upper left")
         axes[0].figure.suptitle(title, fontsize=10)

@@ -59,13 +59,14 @@ def strategy_table(title: str, rows: dict[str, dict]) -> Table:
     from kvflow.bench.restore_bench import speedups
     sp = speedups(rows)["vs"] if "cacheflow" in rows else {}
     table = Table(title=title)
-    for col in ("strategy", "TTFT s", "cacheflow speedup", "predicted s", "TTFT/T*", "compute %", "I/O %",
-                "max |diff|", "plan"):
+    for col in ("strategy", "TTFT s", "cacheflow speedup", "TTFT/bound", "predicted s", "TTFT/T*", "compute %",
+                "I/O %", "max |diff|", "plan"):
         table.add_column(col, justify="left" if col in ("strategy", "plan") else "right")
     for s, r in rows.items():
         diff_ok = r["max_abs_diff"] <= 1e-4 and r["argmax_ok"]
-        table.add_row(s, f"{r['ttft_s']:.3f}", f"{sp[s]:.2f}x" if s in sp else "—", f"{r['predicted_s']:.3f}",
-                      f"{r['vs_lower_bound']:.2f}", f"{r['compute_util']:.0%}", f"{r['io_util']:.0%}",
+        table.add_row(s, f"{r['ttft_s']:.3f}", f"{sp[s]:.2f}x" if s in sp else "—", f"{r['vs_measured_bound']:.2f}",
+                      f"{r['predicted_s']:.3f}", f"{r['vs_model_bound']:.2f}", f"{r['compute_util']:.0%}",
+                      f"{r['io_util']:.0%}",
                       f"[{'green' if diff_ok else 'red'}]{r['max_abs_diff']:.1e}[/]", r["plan"])
     return table
 
@@ -83,7 +84,7 @@ def demo(
 ) -> None:
     """Store a long context, restore it with every strategy at rho, compare with a fresh full prefill."""
     from kvflow.bench.common import out_dir, write_json
-    from kvflow.bench.restore_bench import make_bench, measure, public, rho_bandwidth
+    from kvflow.bench.restore_bench import make_bench, measure, public
     from kvflow.executor import plot_timeline
     from kvflow.model import load_model
     from kvflow.planner import STRATEGIES
@@ -92,10 +93,11 @@ def demo(
     storage = str(parse_dtype(dtype)).removeprefix("torch.")   # a bad dtype is an error before any work
     status(f"building {model}")
     runner = load_model(model)
+    runner.check_context_len(context_len + query_len)     # before any profile or allocation
     cost = ensure_cost(runner, max(context_len, 2048))
     bench = make_bench(runner, cost, [context_len], query_len=query_len, progress=status, storage_dtype=storage)
     try:
-        bench.pools["memory"].set_throttle(rho_bandwidth(bench, rho))
+        rate = bench.set_link("memory", rho)
         rows = measure(bench, "memory", context_len, STRATEGIES, 1, status, "demo")
     finally:
         bench.close()
@@ -106,13 +108,18 @@ def demo(
                   f"rho={rho:g}: {chosen['plan']}", bench.chunk_tokens)
     data = public(rows)
     write_json(folder / "demo.json", {"model": model, "context": context_len, "query": query_len, "rho": rho,
+                                      "recompute_rate_bytes_per_s": bench.recompute_rate,
+                                      "link_bytes_per_s": rate, "bound": bench.probes[context_len],
                                       "results": data})
     if as_json:
         print(json.dumps(data, indent=2))
         return
     console.print(strategy_table(f"{model}: restore {context_len} tokens + {query_len}-token query, rho={rho:g} "
-                                 f"(pool throttled to {rho_bandwidth(bench, rho) / 2**20:.1f} MiB/s)", rows))
-    console.print(f"every strategy checked against one fresh full prefill; timeline: {png}")
+                                 f"(recompute measured at {bench.recompute_rate / 2**20:.1f} MiB/s of KV; pool "
+                                 f"throttled to {rate / 2**20:.1f} MiB/s)", rows))
+    console.print(f"TTFT/bound: over the bound measured in this run (per-chunk recompute, the link's rate, the "
+                  f"query alone); TTFT/T*: over the cost model's bound. Every strategy checked against one fresh "
+                  f"full prefill; timeline: {png}")
 
 
 @bench_app.command("restore")
@@ -123,6 +130,7 @@ def bench_restore(
     lengths: str = typer.Option("512,1024,2048,4096,8192", help="contexts for the crossover sweep at rho=1"),
     query_len: int = typer.Option(32, "--query", min=1),
     repeats: int = typer.Option(3, min=1, help="interleaved repeats per point (median reported)"),
+    latency: str = typer.Option("0.0001,0.001", help="per-read link latencies (seconds) swept at rho=1; '' for none"),
     disk: bool = typer.Option(True, help="also run unthrottled from a real-disk O_DIRECT extent file"),
     batch: Optional[str] = typer.Option(None, help="batch sizes, e.g. 2,4,8: run the batch benchmark instead"),
     quick: bool = typer.Option(False, "--quick", help="small model and contexts: a smoke run in about a minute"),
@@ -136,8 +144,9 @@ def bench_restore(
     from kvflow.planner import STRATEGIES
 
     if quick:
-        model, context_len, rhos, lengths, repeats = "qwen2.5-0.5b@layers=2", 2048, "1,8", "512,2048", 1
+        model, context_len, rhos, lengths, repeats, latency = "qwen2.5-0.5b@layers=2", 2048, "1,8", "512,2048", 1, ""
     rho_list = parse_list(rhos, float, "--rho")
+    latencies = parse_list(latency, float, "--latency") if latency.strip() else []
     len_list = [int(x) for x in parse_list(lengths, int, "--lengths")]
     batch_sizes = [int(x) for x in parse_list(batch, int, "--batch")] if batch else []
     folder = out_dir("bench-restore", out)
@@ -146,16 +155,17 @@ def bench_restore(
     longest = max([context_len, *len_list] + ([8192] if batch_sizes else []))
     cost = ensure_cost(runner, longest)
     result: dict = {"model": model, "chunk_tokens": 256, "query": query_len, "repeats": repeats,
-                    "threads": cost.threads, "recompute_rate_mib_s": cost.short_context_rate() / 2**20}
+                    "threads": cost.threads, "profiled_recompute_rate_mib_s": cost.short_context_rate() / 2**20}
     if batch_sizes:
         batches = [rb.batch_lengths(size, seed=size) for size in batch_sizes]
         bench = rb.make_bench(runner, cost, [n for lengths in batches for n in lengths], query_len=query_len,
                               progress=status, store=False)
         try:
+            result["recompute_rate_mib_s"] = bench.recompute_rate / 2**20
             result["batches"] = [rb.measure_batch(bench, lengths, 1.0, repeats, status) for lengths in batches]
         finally:
             bench.close()
-        rb.plot_batch(result["batches"], folder / "batch.png", f"{model}, rho=1: batch-aware vs FCFS")
+        rb.plot_batch(result["batches"], folder / "batch.png", f"{model}, rho=1: batch-aware vs SJF vs FCFS")
         write_json(folder / "restore-batch.json", rb.jsonable(result))
         if as_json:
             print(json.dumps(rb.jsonable(result), indent=2))
@@ -167,7 +177,8 @@ def bench_restore(
     bench = rb.make_bench(runner, cost, [context_len, *len_list], query_len=query_len,
                           disk_dir=str(folder) if disk else None, progress=status)
     try:
-        result["rho_sweep"] = rb.sweep_rho(bench, context_len, rho_list, STRATEGIES, repeats, status)
+        result["recompute_rate_mib_s"] = bench.recompute_rate / 2**20
+        result["rho_sweep"] = rb.sweep_rho(bench, context_len, rho_list, STRATEGIES, repeats, status, latencies)
         short = [n for n in len_list if n != context_len] + ([context_len] if context_len in len_list else [])
         result["length_sweep"] = rb.sweep_length(bench, sorted(short), 1.0, STRATEGIES, repeats, status)
         predicted_crossover = bench.restorer("memory").planner().crossover_length(query_len)  # pool at rho=1
@@ -192,7 +203,8 @@ def bench_restore(
         print(json.dumps(rb.jsonable(result), indent=2))
         return
     for point in result["rho_sweep"]:
-        console.print(strategy_table(f"{model}, {point['context']} tokens, {point['pool']}, rho={point['rho']:.3g}",
+        console.print(strategy_table(f"{model}, {point['context']} tokens, {point['pool']}, rho={point['rho']:.3g} "
+                                     f"(link {point['link_bytes_per_s'] / 2**20:,.1f} MiB/s)",
                                      {r["strategy"]: r for r in point["rows"]}))
     _print_lengths(result)
     _print_acceptance(result["acceptance"])
@@ -203,16 +215,20 @@ def _acceptance(result: dict, one: dict) -> dict:
     rows = one["rows"]
     cf = rows["cacheflow"]["ttft_s"]
     worst = max(p["speedups"]["cacheflow_vs_best_other"] for p in result["rho_sweep"])
+    worst_at = max(result["rho_sweep"], key=lambda p: p["speedups"]["cacheflow_vs_best_other"])
     cross = result["crossover"]["points"]
     return {
         "rho1_cacheflow_vs_min_recompute_load": cf / min(rows["recompute"]["ttft_s"], rows["load"]["ttft_s"]),
         "rho1_cacheflow_vs_cake": cf / rows["cake"]["ttft_s"],
-        "rho1_ttft_vs_lower_bound": rows["cacheflow"]["vs_lower_bound"],
+        "rho1_cacheflow_vs_measured_bound": rows["cacheflow"]["vs_measured_bound"],
+        "rho1_cacheflow_vs_model_bound": rows["cacheflow"]["vs_model_bound"],
+        "rho1_cacheflow_vs_best_other": one["speedups"]["cacheflow_vs_best_other"],
         "rho1_compute_util": rows["cacheflow"]["compute_util"],
         "rho1_io_util": rows["cacheflow"]["io_util"],
         "rho1_prefix_lookup_share_of_ttft": rows["cacheflow"]["lookup_s"] / cf,
         "rho1_planning_share_of_ttft": rows["cacheflow"]["plan_s"] / cf,
         "worst_cacheflow_vs_best_other_over_sweep": worst,
+        "worst_point": f"{worst_at['pool']}, rho={worst_at['rho']:.3g}",
         "crossover_tokens": result["crossover"]["measured_tokens"],
         "cacheflow_vs_faster_side_at_each_length": [p["cacheflow_s"] / p["faster_side_s"] for p in cross],
         "max_abs_diff": max(r["max_abs_diff"] for p in result["rho_sweep"] + result["length_sweep"]
@@ -252,13 +268,17 @@ def _print_batches(batches: list[dict]) -> None:
     for res in batches:
         table = Table(title=f"batch of {len(res['lengths'])} (contexts {res['lengths']}), rho={res['rho']:g}, "
                             f"max |diff| {res['max_abs_diff']:.1e}")
-        for col in ("scheduler", "mean s", "P50 s", "P90 s", "P99 s"):
+        for col in ("scheduler", "mean s", "P50 s", "P90 s", "P99 s", "max s"):
             table.add_column(col, justify="right" if col != "scheduler" else "left")
         for name, st in res["modes"].items():
-            table.add_row(name, *(f"{st[k]:.3f}" for k in ("mean", "p50", "p90", "p99")))
+            table.add_row(name, *(f"{st[k]:.3f}" for k in ("mean", "p50", "p90", "p99", "max")))
         console.print(table)
-        console.print("batch-aware / FCFS cake: " + ", ".join(f"{k} {v:.2f}x"
-                                                             for k, v in res["batch_vs_fcfs_cake"].items()))
-        console.print(f"whole-batch T* {res['lower_bound_s']:.3f} s = {res['lower_bound_vs_fcfs_cake_max']:.2f}x "
-                      f"FCFS cake's last TTFT (no schedule's last request can finish sooner); batch-aware's last "
-                      f"TTFT = {res['batch_max_vs_lower_bound']:.2f}x T*")
+        if res["note"]:
+            console.print(res["note"])
+        for base in ("sjf", "fcfs_cake"):
+            console.print(f"batch-aware / {base.replace('_', ' ').upper() if base == 'sjf' else 'FCFS cake'}: "
+                          + ", ".join(f"{k} {v:.2f}x" for k, v in res[f"batch_vs_{base}"].items()))
+        console.print(f"measured whole-batch bound {res['measured_bound_s']:.3f} s (model T* "
+                      f"{res['model_bound_s']:.3f} s) = {res['measured_bound_vs_sjf_max']:.2f}x SJF's last TTFT (no "
+                      f"schedule's last request can finish sooner); batch-aware's last TTFT = "
+                      f"{res['batch_max_vs_measured_bound']:.2f}x the bound")

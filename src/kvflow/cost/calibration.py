@@ -9,7 +9,7 @@ plans (and computes T*) with the profiled model scaled by those ratios.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvflow.cost.model import CostModel
 
@@ -34,7 +34,7 @@ class Calibration:
             layers = e.layers[1] - e.layers[0]
             if e.kind in COMPUTE_KINDS:
                 spent["compute"] += e.end - e.start
-                expected["compute"] += cost.compute_time(e.tokens[1] - e.tokens[0], e.tokens[0], layers)
+                expected["compute"] += cost.step_time(e.tokens, layers)
             elif e.kind == "load":
                 spent["io"] += e.end - e.start
                 expected["io"] += (e.tokens[1] - e.tokens[0]) // chunk_tokens * layers * seconds_per_cell
@@ -44,5 +44,4 @@ class Calibration:
                 setattr(self, side, (1 - self.weight) * getattr(self, side) + self.weight * ratio)
 
     def scaled(self, cost: CostModel) -> CostModel:
-        f = self.compute
-        return replace(cost, a=cost.a * f, b=cost.b * f, d=cost.d * f, e=cost.e * f, head=cost.head * f)
+        return cost.scaled(self.compute)

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvflow.planner.plan import ComputeStep, LoadStep, Plan, Prediction
-from kvflow.planner.predict import lower_bound_many, step_time
+from kvflow.planner.bound import model_bound
+from kvflow.planner.simulate import SimJob, simulate
 from kvflow.planner.strategies import Planner, Request
 
 
@@ -34,13 +35,14 @@ class BatchPlan:
 
 def plan_batch(planner: Planner, requests: list[Request]) -> BatchPlan:
     cost, io, L, C = planner.cost, planner.io, planner.L, planner.C
-    chunk_cost = [[step_time(cost, (i * C, (i + 1) * C), L) for i in range(req.stored_chunks)] for req in requests]
-    queries = [step_time(cost, (req.stored_chunks * C, req.context_len + req.query_len), L) + cost.head
+    chunk_cost = [[cost.step_time((i * C, (i + 1) * C), L) for i in range(req.stored_chunks)] for req in requests]
+    queries = [cost.step_time((req.stored_chunks * C, req.context_len + req.query_len), L) + cost.head
                for req in requests]
     order = sorted(range(len(requests)), key=lambda r: (sum(chunk_cost[r]) + queries[r], r))
     own = [planner.plan("token", req).split.count(L) for req in requests]   # per-request balanced meet
-    bound = lower_bound_many(cost, io, [(req.stored_chunks, (req.stored_chunks * C, req.context_len + req.query_len))
-                                        for req in requests], C, L, planner.config.max_step)
+    bound = model_bound(cost, io.cells_time(1), [(req.stored_chunks, (req.stored_chunks * C,
+                                                                       req.context_len + req.query_len))
+                                                  for req in requests], C, L, planner.config.max_step)
     best = None
     for k in range(len(requests) + 1):
         meet = _global_meets(planner, requests, chunk_cost, queries, order[k:])
@@ -48,7 +50,8 @@ def plan_batch(planner: Planner, requests: list[Request]) -> BatchPlan:
             meet[r] = own[r]
         compute_order, io_order = _orders(planner, requests, meet, order)
         plans = [_request_plan(planner, req, r, meet[r], compute_order, io_order) for r, req in enumerate(requests)]
-        predicted = simulate_batch(planner, plans, compute_order, io_order, order)
+        predicted = [res.ttft_s for res in simulate([SimJob(p) for p in plans], compute_order, io_order, order,
+                                                     cost, io.read_time)]
         score = sum(predicted) / len(predicted) + max(predicted, default=0.0)
         if best is None or score < best[0]:
             best = (score, plans, compute_order, io_order, predicted, k)
@@ -60,7 +63,7 @@ def plan_batch(planner: Planner, requests: list[Request]) -> BatchPlan:
 
 def _global_meets(planner: Planner, requests, chunk_cost, queries, among: list[int]) -> list[int]:
     """Move the most expensive chunks of the ``among`` requests to I/O while that lowers max(compute, io)."""
-    chunk_io = planner.io.cells_time(planner.L) + planner.io.step_latency
+    chunk_io = planner.io.read_time(planner.L)
     meet = [req.stored_chunks for req in requests]
     cells = sorted(((chunk_cost[r][i], r, i) for r in among for i in range(requests[r].stored_chunks)),
                    reverse=True)
@@ -93,52 +96,6 @@ def _orders(planner: Planner, requests, meet, order):
 
 def _request_plan(planner: Planner, req: Request, r: int, meet: int, compute_order, io_order) -> Plan:
     L = planner.L
-    return planner._base("cacheflow-batch", req, [L] * meet + [0] * (req.stored_chunks - meet),
+    return planner.make_plan("cacheflow-batch", req, [L] * meet + [0] * (req.stored_chunks - meet),
                          compute=tuple(s for q, s in compute_order if q == r),
                          loads=tuple(s for q, s in io_order if q == r), dynamic_meet=True, cell_meet=True)
-
-
-def simulate_batch(planner: Planner, plans, compute_order, io_order, query_order) -> list[float]:
-    """Predicted TTFT per request: the executor's batch mechanism replayed on the cost model."""
-    cost, io, L, C = planner.cost, planner.io, planner.L, planner.C
-    chunk_io = io.cells_time(L) + io.step_latency
-    lo = [0] * len(plans)
-    hi = [p.num_chunks for p in plans]
-    left = [0] * len(plans)
-    for r, _ in compute_order:
-        left[r] += 1
-    loaded_at = [0.0] * len(plans)            # when the last I/O chunk of each request lands
-    tc, tio, ci, ii = 0.0, 0.0, 0, 0
-    ttft = [0.0] * len(plans)
-    waiting = list(query_order)
-
-    def serve(now: float, final: bool) -> float:
-        for r in list(waiting):
-            if lo[r] >= hi[r] or (final and left[r] == 0):
-                now = max(now, loaded_at[r])
-                now += step_time(cost, plans[r].suffix, L) + cost.head
-                ttft[r] = now
-                waiting.remove(r)
-        return now
-
-    while ci < len(compute_order) or ii < len(io_order):
-        if ci < len(compute_order) and (tc <= tio or ii >= len(io_order)):
-            r, step = compute_order[ci]
-            ci += 1
-            left[r] -= 1
-            a, b = step.tokens
-            b = min(b, hi[r] * C)
-            if b > a and a // C >= lo[r]:
-                tc += step_time(cost, (a, b), L)
-                lo[r] = b // C
-            tc = serve(tc, False)
-        else:
-            r, step = io_order[ii]
-            ii += 1
-            c0 = step.chunks[0]
-            if c0 >= lo[r] and c0 < hi[r]:
-                tio += chunk_io
-                hi[r] = c0
-                loaded_at[r] = tio
-    serve(tc, True)
-    return ttft

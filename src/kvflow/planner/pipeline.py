@@ -22,7 +22,9 @@ from typing import Callable
 from kvflow.cost.model import CostModel
 from kvflow.errors import KVFlowError
 from kvflow.planner.plan import Plan, Prediction
-from kvflow.planner.predict import IOModel, _keys_seen, step_time
+from kvflow.planner.bound import balance_point, model_cells
+from kvflow.planner.predict import IOModel
+from kvflow.planner.simulate import SimResult, simulate_plan
 from kvflow.planner.strategies import Planner, PlannerConfig, Request
 
 MODES = ("independent", "sequential")
@@ -161,7 +163,7 @@ class PipelinePlanner:
         act_chunks = list(act_chunks) if act_chunks is not None else [n] * len(stages)
         suffix = (n * C, req.context_len + req.query_len)
         out: list[StagePlan] = []
-        sims: list[StageSim] = []
+        sims: list[SimResult] = []
         for g, (l0, l1) in enumerate(stages):
             io = self._io(bandwidths[g])
             if g == 0:
@@ -173,8 +175,10 @@ class PipelinePlanner:
                 inputs, usable, clip, start = "handoff", sims[-1].recomputed, n, sims[-1].compute_end_s
             act_s = self.act_bytes / bandwidths[g] if inputs == "act" else 0.0
             plan = self._stage_plan(req, (l0, l1), bandwidths[g], strategy, clip, inputs)
-            sim = simulate_stage(plan, self.cost, io, act_s, usable, start) if plan.dynamic_meet else \
-                StageSim(io.cells_time(n * (l1 - l0)), start, 0.0, io.cells_time(n * (l1 - l0)), 0)
+            sim = simulate_plan(plan, self.cost, io.read_time, start_s=start, usable=usable, act_s=act_s,
+                                query=False) if plan.dynamic_meet else \
+                SimResult(io.cells_time(n * (l1 - l0)), start, 0.0, io.cells_time(n * (l1 - l0)), 0,
+                          io.cells_time(n * (l1 - l0)))
             sims.append(sim)
             plan = replace(plan, split=tuple([l1 - l0] * sim.recomputed + [0] * (n - sim.recomputed)))
             bound = stage_bound(self.cost, io, n, C, l1 - l0, suffix, self._max_step, act_s,
@@ -183,7 +187,7 @@ class PipelinePlanner:
                                  self.act_bytes if inputs == "act" else 0, bound, sim.restore_s, sim.compute_end_s,
                                  handoff=mode == "sequential" and g + 1 < len(stages)))
         # the query passes the stages in order; stage g starts it once restored and handed the previous output
-        queries = [step_time(self.cost, suffix, s.num_layers) for s in out]
+        queries = [self.cost.step_time(suffix, s.num_layers) for s in out]
         t = 0.0
         for s, q in zip(out, queries):
             t = max(t, s.predicted_restore_s) + q
@@ -259,65 +263,21 @@ class PipelinePlanner:
             compute = (replace(first, tokens=(a, a + C)), replace(first, tokens=(a + C, b))) + compute[1:]
         guard = {}
         if plan.dynamic_meet:
-            guard = dict(chunk_compute_s=tuple(step_time(self.cost, (i * C, (i + 1) * C), n_layers)
+            guard = dict(chunk_compute_s=tuple(self.cost.step_time((i * C, (i + 1) * C), n_layers)
                                                for i in range(req.stored_chunks)),
-                         chunk_io_s=io.cells_time(n_layers) + io.step_latency)
+                         chunk_io_s=io.read_time(n_layers))
         return replace(plan, compute=compute, layer_offset=layers[0], strategy=f"stage-{strategy}", **guard)
-
-
-@dataclass(frozen=True, slots=True)
-class StageSim:
-    restore_s: float        # every grid cell of the stage filled
-    compute_end_s: float    # its compute side is done (what a sequential hand-off waits for)
-    compute_s: float
-    io_s: float             # link busy: KV loads + activations
-    recomputed: int         # chunks recomputed (the predicted meet)
-
-
-def simulate_stage(plan: Plan, cost: CostModel, io: IOModel, act_s: float, usable: int,
-                   start: float = 0.0) -> StageSim:
-    """One stage's two pointers on the cost model (dynamic meet) with its inputs: compute may not begin before
-    ``start`` (sequential: the previous stage's hand-off) nor pass chunk ``usable``; each chunk it claims first
-    moves its activation (``act_s`` seconds) over the stage's link, which the KV loads share (prefetched while
-    the previous step computes; the first step waits for its own)."""
-    C, L = plan.chunk_tokens, plan.num_layers
-    lo, hi = 0, plan.num_chunks
-    tc, tio, busy_c = start, 0.0, 0.0
-    chunk_io = io.cells_time(L) + io.step_latency
-    steps = iter(plan.compute)
-    step = next(steps, None)
-    while lo < hi:
-        c1 = min(step.tokens[1] // C, hi, usable) if step is not None else lo
-        if c1 > lo and tc <= tio:
-            tio += (c1 - lo) * act_s
-            if lo == 0:
-                tc = max(tc, tio)
-            dt = step_time(cost, (lo * C, c1 * C), L)
-            tc, busy_c, lo = tc + dt, busy_c + dt, c1
-            step = next(steps, None)
-        else:
-            hi -= 1
-            tio += chunk_io
-    compute_end = tc if lo > 0 else start
-    return StageSim(max(compute_end, tio), compute_end, busy_c, tio, lo)
 
 
 def stage_bound(cost: CostModel, io: IOModel, num_chunks: int, chunk_tokens: int, n_layers: int,
                 suffix: tuple[int, int], max_step: int, act_s: float, usable: int) -> float:
-    """T* of one stage, head excluded. As ``predict.lower_bound``: min over K loaded cells (latest chunks first,
-    a chunk's layers one by one) of max(compute left + the stage's query, I/O of K cells + its last query layer),
-    with the stage's inputs priced: every chunk that keeps a recomputed cell first moves its activation over the
-    same link, and chunks from ``usable`` on have no inputs, so they are loaded whole."""
-    C = chunk_tokens
-    per_call = cost.d * min(1.0, C / max_step)
-    cell = [cost.a * C + cost.b * _keys_seen(i * C, C) + per_call for i in range(num_chunks)]
-    q_all = step_time(cost, suffix, n_layers)
-    q_last = step_time(cost, suffix, 1)
-    compute, loaded, best = sum(cell) * n_layers, 0, float("inf")
-    for i in reversed(range(num_chunks)):
-        for _ in range(n_layers):     # state: chunks after i loaded, some layers of chunk i loaded
-            if i < usable:
-                best = min(best, max(compute + q_all, io.cells_time(loaded) + (i + 1) * act_s + q_last))
-            compute -= cell[i]
-            loaded += 1
-    return min(best, max(compute + q_all, io.cells_time(loaded) + q_last))
+    """T* of one stage, head excluded: the balance point (planner/bound.py) of the stage's cells, latest chunks
+    loaded first, with its inputs priced — every chunk that keeps a recomputed cell first moves its activation over
+    the same link, and chunks from ``usable`` on have no inputs, so they are loaded whole."""
+    cells = [c for c in reversed(model_cells(cost, num_chunks, chunk_tokens, max_step)) for _ in range(n_layers)]
+
+    def activations(k: int) -> float:   # k cells loaded: chunks below the one cell k belongs to keep inputs
+        return 0.0 if k >= len(cells) else (num_chunks - k // n_layers) * act_s
+
+    return balance_point(cells, io.cells_time(1), cost.step_time(suffix, n_layers), cost.step_time(suffix, 1),
+                         activations, min_loaded=max(0, num_chunks - usable) * n_layers)

@@ -1,20 +1,20 @@
-"""Predict a plan's time from the cost model and the pool's bandwidth, and the lower bound T*.
-
-Compute time is additive over tokens: a step of c tokens at positions [p, p+c) through n layers costs
-``n * (a*c + b*sum(x+1 for x in [p, p+c)) + d) + e`` — so runs of chunks are priced in O(1).
-"""
+"""Predict a plan's time from the cost model (``CostModel.step_time``, the one formula) and the pool's I/O model;
+the cost model's lower bound T*; the step and load layouts static plans share."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvflow.cost.model import CostModel
+from kvflow.planner.bound import model_bound
 from kvflow.planner.plan import ComputeStep, LoadStep, Plan, Prediction
+from kvflow.planner.simulate import simulate_plan
 
 
 @dataclass(frozen=True, slots=True)
 class IOModel:
-    """I/O side of the cost model: the pool's aggregate read bandwidth and the bytes of one cell."""
+    """I/O side of the cost model: the pool's aggregate read bandwidth, the bytes of one cell, and what one read
+    waits beyond its bytes (a link's per-request latency, divided by the reads the executor keeps in flight)."""
     bandwidth: float        # bytes/s (inf = free)
     cell_bytes: int         # one chunk x one layer record, header included
     step_latency: float = 0.0
@@ -22,40 +22,31 @@ class IOModel:
     def cells_time(self, cells: int) -> float:
         return cells * self.cell_bytes / self.bandwidth if cells else 0.0
 
-
-def _keys_seen(p: int, c: int) -> float:
-    """sum over tokens at positions [p, p+c) of the keys each attends to (x + 1)."""
-    return c * p + c * (c + 1) / 2
-
-
-def step_time(cost: CostModel, tokens: tuple[int, int], layers: int) -> float:
-    a, b = tokens
-    c = b - a
-    if c <= 0 or layers <= 0:
-        return 0.0
-    return layers * (cost.a * c + cost.b * _keys_seen(a, c) + cost.d) + cost.e
+    def read_time(self, cells: int) -> float:
+        """One read of ``cells`` cells."""
+        return self.cells_time(cells) + self.step_latency if cells else 0.0
 
 
 def query_time(cost: CostModel, plan: Plan) -> tuple[float, float]:
     """(one query layer as a separate step, the whole query as one step) — head excluded."""
-    a, b = plan.suffix
-    return step_time(cost, (a, b), 1), step_time(cost, (a, b), plan.num_layers)
+    return cost.step_time(plan.suffix, 1), cost.step_time(plan.suffix, plan.num_layers)
 
 
 def predict(plan: Plan, cost: CostModel, io: IOModel) -> Prediction:
-    """Simulate the compute thread and the I/O thread running ``plan`` (see executor for the real thing)."""
+    """The plan's time on the cost model: a dynamic meet through the one simulator (planner/simulate.py), a static
+    plan by adding up each side. Only a static plan's query runs layer by layer as its layers land (the executor
+    pipelines nothing else)."""
     L = plan.num_layers
     if plan.dynamic_meet:
-        restore, tc, tio, _ = simulate_meet(plan, cost, io)
-        ready = [restore] * L
-    else:
-        tc = sum(step_time(cost, s.tokens, s.layers[1] - s.layers[0]) for s in plan.compute)
-        tio, ready = 0.0, [0.0] * L
-        for s in plan.loads:
-            tio += io.cells_time((s.chunks[1] - s.chunks[0]) * (s.layers[1] - s.layers[0])) + io.step_latency
-            for layer in range(*s.layers):
-                ready[layer] = tio
-        restore = max(tc, tio)
+        sim = simulate_plan(plan, cost, io.read_time)
+        return Prediction(ttft_s=sim.ttft_s, restore_s=sim.restore_s, compute_s=sim.compute_s, io_s=sim.io_s)
+    tc = sum(cost.step_time(s.tokens, s.layers[1] - s.layers[0]) for s in plan.compute)
+    tio, ready = 0.0, [0.0] * L
+    for s in plan.loads:
+        tio += io.read_time((s.chunks[1] - s.chunks[0]) * (s.layers[1] - s.layers[0]))
+        for layer in range(*s.layers):
+            ready[layer] = tio
+    restore = max(tc, tio)
     q_layer, q_all = query_time(cost, plan)
     if plan.pipelined_query:
         t = tc
@@ -66,53 +57,15 @@ def predict(plan: Plan, cost: CostModel, io: IOModel) -> Prediction:
     return Prediction(ttft_s=t + cost.head, restore_s=restore, compute_s=tc, io_s=tio)
 
 
-def simulate_meet(plan: Plan, cost: CostModel, io: IOModel) -> tuple[float, float, float, int]:
-    """Two pointers over chunks: compute claims its next step (clipped at the I/O pointer), I/O claims the
-    last unclaimed chunk; whoever is free earlier claims next.
-    Returns (restore, compute busy, io busy, chunks recomputed)."""
-    L, C = plan.num_layers, plan.chunk_tokens
-    lo, hi, tc, tio, busy_c = 0, plan.num_chunks, 0.0, 0.0, 0.0
-    steps = iter(plan.compute)
-    chunk_io = io.cells_time(L) + io.step_latency
-    while lo < hi:
-        if tc <= tio:
-            step = next(steps)
-            c1 = min(step.tokens[1] // C, hi)
-            dt = step_time(cost, (lo * C, c1 * C), L)
-            tc, busy_c, lo = tc + dt, busy_c + dt, c1
-        else:
-            hi -= 1
-            tio += chunk_io
-    return max(tc, tio), busy_c, tio, lo
+def predicted_meet(plan: Plan, cost: CostModel, io: IOModel) -> int:
+    """Chunks the compute side of a dynamic-meet plan is predicted to recompute."""
+    return simulate_plan(plan, cost, io.read_time).recomputed
 
 
 def lower_bound(cost: CostModel, io: IOModel, num_chunks: int, chunk_tokens: int, num_layers: int,
                 suffix: tuple[int, int], max_step: int) -> float:
-    """T* of one request (see :func:`lower_bound_many`)."""
-    return lower_bound_many(cost, io, [(num_chunks, suffix)], chunk_tokens, num_layers, max_step)
-
-
-def lower_bound_many(cost: CostModel, io: IOModel, requests: list[tuple[int, tuple[int, int]]], chunk_tokens: int,
-                     num_layers: int, max_step: int) -> float:
-    """T*: the best any split of the grid(s) can do under the cost model — compute and I/O perfectly overlapped,
-    the cells whose recompute costs most loaded first (latest chunks, any request), and after the last load only
-    one query's last layer + head remain. ``requests``: (stored chunks, suffix token range) each.
-    min over K loaded cells of max(C(K) + queries, IO(K) + q_last). Per-call overheads are charged as if every
-    step had ``max_step`` tokens, so no plan can beat it."""
-    L, C = num_layers, chunk_tokens
-    per_call = cost.d * min(1.0, C / max_step)
-    cells = sorted((cost.a * C + cost.b * _keys_seen(i * C, C) + per_call  # one chunk, one layer
-                    for n, _ in requests for i in range(n)), reverse=True)
-    queries = sum(step_time(cost, suffix, L) + cost.head for _, suffix in requests)
-    q_last = min(step_time(cost, suffix, 1) + cost.head for _, suffix in requests)
-    compute = sum(cells) * L + queries
-    best, loaded = compute, 0
-    for cell in cells:
-        for _ in range(L):
-            compute -= cell
-            loaded += 1
-            best = min(best, max(compute, io.cells_time(loaded) + q_last))
-    return best
+    """T* of one request under the cost model (planner/bound.py)."""
+    return model_bound(cost, io.cells_time(1), [(num_chunks, suffix)], chunk_tokens, num_layers, max_step)
 
 
 def compute_steps(split: tuple[int, ...], chunk_tokens: int, max_step: int) -> tuple[ComputeStep, ...]:

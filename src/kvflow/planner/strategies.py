@@ -9,20 +9,22 @@ builder here; the executor runs them all the same way, so comparisons differ onl
                      at run time; query pipelined
     layer            lower layers recomputed for every token, upper layers loaded; cut from the cost model
     staircase        best token x layer staircase the cost model finds
-    cacheflow        the predicted-fastest of token / layer / staircase / load-layerwise / recompute (a static
-                     plan must beat the run-time-corrected token plan by ``static_margin``, 1%)
+    cacheflow        of token / layer / staircase / load-layerwise / recompute, the plan with the smallest worst-case
+                     regret when compute and I/O run at other speeds than the model says (``speed_band``): a
+                     dynamic meet corrects itself at run time, a static split pays the whole error, so a static
+                     plan wins only where it is faster under every speed in the band
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-from kvflow.config import check
+from kvflow.config import check, load_section
 from kvflow.cost.model import CostModel
 from kvflow.errors import KVFlowError
 from kvflow.planner.plan import ComputeStep, LoadStep, Plan
-from kvflow.planner.predict import (IOModel, compute_steps, layer_major_loads, lower_bound, predict,
-                                    simulate_meet)
+from kvflow.planner.predict import IOModel, compute_steps, layer_major_loads, lower_bound, predict, predicted_meet
 
 STRATEGIES = ("recompute", "load", "load-layerwise", "cake", "token", "layer", "staircase", "cacheflow")
 
@@ -30,13 +32,23 @@ STRATEGIES = ("recompute", "load", "load-layerwise", "cake", "token", "layer", "
 @dataclass(slots=True)
 class PlannerConfig:
     max_step: int = 1024          # largest compute step in tokens (bigger steps amortise per-call overhead)
-    static_margin: float = 0.01   # a static plan must be predicted this much faster than `token` to be chosen
     near_meet_chunks: int = 2     # `token` uses single-chunk steps this close to the predicted meet
+    # cacheflow's choice must hold when the machine runs this much faster or slower than the (calibrated) model:
+    # compute speed in [1/(1+c), 1+c], I/O in [1/(1+i), 1+i] (a profile made on a busy machine is off by tens of %)
+    compute_band: float = 0.35
+    io_band: float = 0.15
 
     def validate(self) -> None:
         check(self.max_step >= 1, f"planner.max_step must be >= 1, got {self.max_step}")
-        check(0 <= self.static_margin < 1, f"planner.static_margin must be in [0, 1), got {self.static_margin}")
         check(self.near_meet_chunks >= 0, "planner.near_meet_chunks must be >= 0")
+        for name in ("compute_band", "io_band"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and 0 <= value <= 4, f"planner.{name} must be in [0, 4], got {value}")
+
+    @classmethod
+    def load(cls, data=None) -> "PlannerConfig":
+        """From a config file's ``planner`` section (or none) + ``KVFLOW_PLANNER_*`` overrides, validated."""
+        return load_section(cls, "planner", data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +63,7 @@ class Planner:
     def __init__(self, cost: CostModel, io: IOModel, num_layers: int, chunk_tokens: int,
                  config: PlannerConfig | None = None):
         self.cost, self.io, self.L, self.C = cost, io, num_layers, chunk_tokens
-        self.config = config or PlannerConfig()
+        self.config = config or PlannerConfig.load()
 
     # ----------------------------------------------------------------------------------------- API
     def plan(self, strategy: str, req: Request) -> Plan:
@@ -74,37 +86,37 @@ class Planner:
         return None
 
     # ------------------------------------------------------------------------------------ builders
-    def _base(self, strategy: str, req: Request, split, **kw) -> Plan:
+    def make_plan(self, strategy: str, req: Request, split, **kw) -> Plan:
         return Plan(strategy, req.context_len, req.query_len, self.C, self.L, tuple(split),
                     step_tokens=self.config.max_step, **kw)
 
-    def _static(self, strategy: str, req: Request, split, pipelined: bool = True) -> Plan:
+    def static_plan(self, strategy: str, req: Request, split, pipelined: bool = True) -> Plan:
         split = tuple(split)
-        return self._base(strategy, req, split, compute=compute_steps(split, self.C, self.config.max_step),
+        return self.make_plan(strategy, req, split, compute=compute_steps(split, self.C, self.config.max_step),
                           loads=layer_major_loads(split, self.L), pipelined_query=pipelined)
 
     def _recompute(self, req: Request) -> Plan:
         # Stored chunks are ignored: the grid is recomputed like the query, in max_step steps.
-        return self._static("recompute", req, [self.L] * req.stored_chunks, pipelined=False)
+        return self.static_plan("recompute", req, [self.L] * req.stored_chunks, pipelined=False)
 
     def _load(self, req: Request) -> Plan:
         n = req.stored_chunks
         loads = tuple(LoadStep((i, i + 1), (0, self.L)) for i in range(n))
-        return self._base("load", req, [0] * n, compute=(), loads=loads)
+        return self.make_plan("load", req, [0] * n, compute=(), loads=loads)
 
     def _load_layerwise(self, req: Request) -> Plan:
-        return self._static("load-layerwise", req, [0] * req.stored_chunks)
+        return self.static_plan("load-layerwise", req, [0] * req.stored_chunks)
 
     def _meet(self, strategy: str, req: Request, steps, pipelined: bool) -> Plan:
         n = req.stored_chunks
         loads = tuple(LoadStep((i, i + 1), (0, self.L)) for i in reversed(range(n)))
-        plan = self._base(strategy, req, [self.L] * n, compute=tuple(steps), loads=loads, dynamic_meet=True,
+        plan = self.make_plan(strategy, req, [self.L] * n, compute=tuple(steps), loads=loads, dynamic_meet=True,
                           pipelined_query=pipelined)
         return replace(plan, split=self._predicted_meet(plan))
 
     def _predicted_meet(self, plan: Plan) -> tuple[int, ...]:
         """Where the simulated pointers meet: recomputed chunks get L, loaded ones 0."""
-        meet = simulate_meet(plan, self.cost, self.io)[3]
+        meet = predicted_meet(plan, self.cost, self.io)
         return tuple([self.L] * meet + [0] * (plan.num_chunks - meet))
 
     def _cake(self, req: Request) -> Plan:
@@ -120,12 +132,13 @@ class Planner:
             size = per if i + per <= guess - self.config.near_meet_chunks else 1
             steps.append(ComputeStep((i * C, min(i + size, n) * C), (0, self.L)))
             i += size
-        # the pointers meet inside the last chunk, layer by layer (cake meets at whole chunks)
-        return replace(self._meet("token", req, steps, pipelined=True), cell_meet=True)
+        # the pointers meet inside the last chunk, layer by layer (cake meets at whole chunks); the query runs once
+        # the grid is whole (the executor pipelines only static plans' queries)
+        return replace(self._meet("token", req, steps, pipelined=False), cell_meet=True)
 
     def _layer(self, req: Request) -> Plan:
         n = req.stored_chunks
-        candidates = [self._static("layer", req, [cut] * n) for cut in range(self.L + 1)]
+        candidates = [self.static_plan("layer", req, [cut] * n) for cut in range(self.L + 1)]
         return min(candidates, key=self._ttft)
 
     def _staircase(self, req: Request) -> Plan:
@@ -134,7 +147,7 @@ class Planner:
         (b) [L]*m + [s]*rest          full chunks first, then the lower s layers of the rest."""
         n, L = req.stored_chunks, self.L
         if n == 0:
-            return self._static("staircase", req, [])
+            return self.static_plan("staircase", req, [])
         best = None
         for s in range(L + 1):
             for family in ("a", "b"):
@@ -143,8 +156,8 @@ class Planner:
                     if family == "a":
                         return [L] * m + ([s] + [0] * (rest - 1) if rest else [])
                     return [L] * m + [s] * rest
-                for m in self._balanced(lambda m: self._static("staircase", req, split(m)), n):
-                    plan = self._static("staircase", req, split(m))
+                for m in self._balanced(lambda m: self.static_plan("staircase", req, split(m)), n):
+                    plan = self.static_plan("staircase", req, split(m))
                     if best is None or self._ttft(plan) < self._ttft(best):
                         best = plan
         return best
@@ -162,13 +175,32 @@ class Planner:
         return sorted({max(0, lo - 1), lo, min(n, lo + 1)})
 
     def _cacheflow(self, req: Request) -> Plan:
-        token = self._token(req)
-        static = [self._layer(req), self._staircase(req), self._load_layerwise(req), self._recompute(req)]
-        best_static = min(static, key=self._ttft)
-        choice = token
-        if self._ttft(best_static) < (1 - self.config.static_margin) * self._ttft(token) or req.stored_chunks == 0:
-            choice = best_static
-        return replace(choice, strategy="cacheflow", notes={"chose": choice.strategy})
+        candidates = [self._token(req), self._layer(req), self._staircase(req), self._load_layerwise(req),
+                      self._recompute(req)]
+        if req.stored_chunks == 0:
+            candidates = candidates[-1:]
+        regrets = self.regrets(candidates)
+        nominal = [self._ttft(p) for p in candidates]
+        best = min(range(len(candidates)), key=lambda i: (round(regrets[i], 3), nominal[i]))
+        choice = candidates[best]
+        return replace(choice, strategy="cacheflow", notes={"chose": choice.strategy, "regret": regrets[best]})
+
+    def scenarios(self) -> list[tuple[float, float]]:
+        """(compute slowdown, I/O slowdown) the choice must hold under: the band's corners and the model itself."""
+        c, i = 1 + self.config.compute_band, 1 + self.config.io_band
+        return [(fc, fi) for fc in (1 / c, 1.0, c) for fi in (1 / i, 1.0, i)]
+
+    def regrets(self, plans: list[Plan]) -> list[float]:
+        """Each plan's worst ratio, over the scenarios, of its predicted TTFT to the best of ``plans`` there. A
+        dynamic meet is re-simulated at each speed (it moves at run time); a static split keeps its cells."""
+        worst = [1.0] * len(plans)
+        for fc, fi in self.scenarios():
+            cost = self.cost.scaled(fc)
+            io = replace(self.io, bandwidth=self.io.bandwidth / fi, step_latency=self.io.step_latency * fi)
+            times = [predict(p, cost, io).ttft_s for p in plans]
+            fastest = min(times)
+            worst = [max(w, t / fastest) if fastest > 0 else w for w, t in zip(worst, times)]
+        return worst
 
     def _ttft(self, plan: Plan) -> float:
         return predict(plan, self.cost, self.io).ttft_s

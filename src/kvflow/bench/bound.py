@@ -1,0 +1,165 @@
+"""The measured bound: what no plan can beat on this machine, built from times measured in the same run.
+
+    cells     each chunk's cheapest recompute, measured: the context run through every layer chunk by chunk
+              (one chunk a step) and in the largest steps the executor takes (``max_step`` tokens); a chunk's
+              cost is the smaller of its own step and its share of the big step (its single-chunk time scaled by
+              the big step's measured / summed single-chunk times) — bigger steps are cheaper per token, and a
+              bound must use the cheapest way a cell can be computed. Per cell: the chunk's cost / layers.
+    link      the rate the throttle enforces, or for a real disk the rate of raw O_DIRECT reads measured alone
+    query     the tail + query through every layer + the LM head on a full cache, measured alone; after the last
+              load at least its last layer + head remain (the query through one layer, measured alone)
+
+The bound is the balance point of those (``kvflow.planner.bound.balance_point`` — the same function the cost
+model's T* uses, fed measurements instead of the model). Timings are medians over the probes of a run, each probe
+taken between the strategies it judges.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvflow.model.runner import ModelRunner
+from kvflow.planner.bound import balance_point
+
+
+@dataclass
+class QueryTimes:
+    """One request's tail + query measured alone on a full cache (medians over probes)."""
+    query: list[float] = field(default_factory=list)            # through every layer
+    query_layer: list[float] = field(default_factory=list)      # through one layer
+    head: list[float] = field(default_factory=list)
+
+    def measure(self, runner: ModelRunner, cache, suffix_ids: torch.Tensor, start: int, step_tokens: int) -> None:
+        """Time the suffix at positions [start, start + len) on ``cache`` (its keys below ``start`` filled; their
+        values do not change the time)."""
+        L, n = runner.num_layers, suffix_ids.numel()
+        pieces = [(a, min(a + step_tokens, n)) for a in range(0, n, step_tokens)]
+        hidden = [runner.embed(suffix_ids[a:b]) for a, b in pieces]
+        t0 = time.perf_counter()
+        for h, (a, _) in zip(hidden, pieces):
+            runner.run_layers(cache, h, start + a, (0, 1))
+        self.query_layer.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for k, (a, _) in enumerate(pieces):
+            hidden[k] = runner.run_layers(cache, hidden[k], start + a, (0, L))
+        self.query.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        runner.logits_many([hidden[-1]])
+        self.head.append(time.perf_counter() - t0)
+
+    @property
+    def compute_after(self) -> float:
+        return statistics.median(self.query) + statistics.median(self.head)
+
+    @property
+    def io_after(self) -> float:
+        return statistics.median(self.query_layer) + statistics.median(self.head)
+
+
+@dataclass
+class CellProbe:
+    """Measured costs of one context: per-chunk cheapest recompute (all layers) and its query alone."""
+    chunk_tokens: int
+    num_layers: int
+    chunks: list[list[float]] = field(default_factory=list)     # per probe: seconds per chunk, all layers
+    own: QueryTimes = field(default_factory=QueryTimes)
+
+    def probe(self, runner: ModelRunner, token_ids: torch.Tensor, grid_chunks: int, max_step: int,
+              step_tokens: int, others: list[tuple["QueryTimes", torch.Tensor, int]] = ()) -> None:
+        """One measurement (two recomputes of the grid + the query). ``others``: (times, suffix ids, start) of
+        more requests whose queries are timed on this cache (a batch: a chunk costs the same at the same position
+        whatever its tokens, so the longest context's probe serves every request)."""
+        C, L = self.chunk_tokens, self.num_layers
+        grid = grid_chunks * C
+        single, cache = [], runner.new_cache(max([token_ids.numel()] + [s + ids.numel() for _, ids, s in others]))
+        for i in range(grid_chunks):
+            h = runner.embed(token_ids[i * C:(i + 1) * C])
+            t0 = time.perf_counter()
+            runner.run_layers(cache, h, i * C, (0, L))
+            single.append(time.perf_counter() - t0)
+        best = list(single)
+        per = max(1, max_step // C)
+        big = runner.new_cache(grid)
+        for c0 in range(0, grid_chunks, per):
+            c1 = min(c0 + per, grid_chunks)
+            h = runner.embed(token_ids[c0 * C:c1 * C])
+            t0 = time.perf_counter()
+            runner.run_layers(big, h, c0 * C, (0, L))
+            share = (time.perf_counter() - t0) / sum(single[c0:c1])
+            for i in range(c0, c1):
+                best[i] = min(best[i], single[i] * share)
+        del big
+        self.chunks.append(best)
+        self.own.measure(runner, cache, token_ids[grid:], grid, step_tokens)
+        for times, ids, start in others:
+            times.measure(runner, cache, ids, start, step_tokens)
+
+    def cells(self, chunks: int | None = None) -> list[float]:
+        """Median over probes of each chunk's cheapest cost, per cell (chunk cost / layers), chunk order."""
+        n = len(self.chunks[0]) if chunks is None else chunks
+        return [statistics.median(p[i] for p in self.chunks) / self.num_layers for i in range(n)]
+
+    def bound(self, link_bytes_per_s: float, cell_bytes: int) -> float:
+        ordered = sorted((c for c in self.cells() for _ in range(self.num_layers)), reverse=True)
+        return balance_point(ordered, cell_bytes / link_bytes_per_s, self.own.compute_after, self.own.io_after)
+
+    def summary(self) -> dict:
+        return {"probes": len(self.chunks), "grid_recompute_s": sum(self.cells()) * self.num_layers,
+                "query_s": statistics.median(self.own.query), "head_s": statistics.median(self.own.head)}
+
+
+def batch_bound(probe: CellProbe, requests: list[tuple[int, QueryTimes]], link_bytes_per_s: float,
+                cell_bytes: int) -> float:
+    """The whole batch (``requests``: stored chunks and measured query of each): every request's cells compete for
+    the one link, every query runs on the compute side, the cheapest query's last layer + head remain after the
+    last load."""
+    ordered = sorted((c for n, _ in requests for c in probe.cells(n) for _ in range(probe.num_layers)), reverse=True)
+    return balance_point(ordered, cell_bytes / link_bytes_per_s, sum(q.compute_after for _, q in requests),
+                         min(q.io_after for _, q in requests))
+
+
+def recompute_rate(runner: ModelRunner, chunk_tokens: int, repeats: int = 5) -> float:
+    """KV bytes per second that recompute produces at short context, measured warm now: one chunk at position 0
+    through every layer, median of ``repeats`` after one warm-up. The denominator of rho (DESIGN.md §5)."""
+    ids = torch.randint(0, min(runner.config.vocab_size, 32000), (chunk_tokens,),
+                        generator=torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(repeats + 1):
+        cache = runner.new_cache(chunk_tokens)
+        h = runner.embed(ids)
+        t0 = time.perf_counter()
+        runner.run_layers(cache, h, 0, (0, runner.num_layers))
+        times.append(time.perf_counter() - t0)
+    return chunk_tokens * runner.kv_bytes_per_token() / statistics.median(times[1:])
+
+
+def odirect_read_rate(path: str, nbytes: int, threads: int = 4, block: int = 1 << 20) -> float:
+    """Bytes/s of raw O_DIRECT reads of the first ``nbytes`` of ``path`` (``threads`` reads in flight): the real
+    disk's rate for the bound, without the pool's checksums or copies."""
+    nbytes = max(block, nbytes // block * block)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:        # no O_DIRECT here (tmpfs): the page cache's rate, which is faster still
+        fd = os.open(path, os.O_RDONLY)
+    buffers = [mmap.mmap(-1, block) for _ in range(threads)]
+
+    def read(k: int) -> None:
+        buf = buffers[k % threads]
+        for off in range(k * block, nbytes, threads * block):
+            os.preadv(fd, [buf], off)
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(threads)))
+        elapsed = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return nbytes / elapsed

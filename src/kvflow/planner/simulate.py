@@ -1,0 +1,99 @@
+"""The one two-pointer simulator: the executor's dynamic-meet mechanism replayed on the cost model.
+
+Every prediction of a run-time meet goes through :func:`simulate` — one request (``predict``), a batch
+(``planner/batch.py``), a pipeline stage fed by activations or a hand-off (``planner/pipeline.py``):
+
+    compute side   walks its (request, step) items in order; a step is clipped at the I/O pointer (and at the
+                   last chunk with inputs) and claims chunks [lo, end) before it runs
+    I/O side       walks its (request, load) items in order; a load of chunk c claims it if still unclaimed
+    whoever is free earlier claims next; a request's tail + query runs on the compute side once its grid is whole
+
+Static plans (every cell's side fixed in advance) need no meet and are priced in ``predict``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.cost.model import CostModel
+from kvflow.planner.plan import ComputeStep, LoadStep, Plan
+
+
+@dataclass(frozen=True, slots=True)
+class SimJob:
+    plan: Plan
+    start_s: float = 0.0            # compute may not begin before (a sequential stage waits for its hand-off)
+    usable: int | None = None       # compute may not pass this chunk (a stage's inputs end there)
+    act_s: float = 0.0              # I/O-side seconds per chunk the compute side claims (a stage's activations)
+    query: bool = True              # run tail + query + head when the grid is whole (a stage leaves it to the pipe)
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    restore_s: float                # every grid cell filled
+    compute_end_s: float            # the compute side's last grid step ended (``start_s`` if it ran none)
+    compute_s: float                # compute-side grid seconds
+    io_s: float                     # I/O-side seconds for this request (loads + activations)
+    recomputed: int                 # chunks recomputed: the meet
+    ttft_s: float                   # query + head done (``restore_s`` when ``query`` is false)
+
+
+def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], io_order: list[tuple[int, LoadStep]],
+             query_order: list[int], cost: CostModel, read_s) -> list[SimResult]:
+    """``read_s(cells)``: seconds the I/O side needs for one read of that many cells (latency included)."""
+    n = len(jobs)
+    lo, hi = [0] * n, [j.plan.num_chunks for j in jobs]
+    limit = [j.plan.num_chunks if j.usable is None else min(j.usable, j.plan.num_chunks) for j in jobs]
+    left = [0] * n
+    for r, _ in compute_order:
+        left[r] += 1
+    busy_c, busy_io, c_end, loaded_at, ttft = [0.0] * n, [0.0] * n, [j.start_s for j in jobs], [0.0] * n, [0.0] * n
+    tc, tio, ci, ii = min((j.start_s for j in jobs), default=0.0), 0.0, 0, 0
+    waiting = list(query_order)
+
+    def serve(now: float, final: bool) -> float:
+        for r in list(waiting):
+            if lo[r] >= hi[r] or (final and left[r] == 0):
+                done = max(now, loaded_at[r])
+                if jobs[r].query:
+                    now = done + cost.step_time(jobs[r].plan.suffix, jobs[r].plan.num_layers) + cost.head
+                    ttft[r] = now
+                else:
+                    ttft[r] = done
+                waiting.remove(r)
+        return now
+
+    while ci < len(compute_order) or ii < len(io_order):
+        if ci < len(compute_order) and (tc <= tio or ii >= len(io_order)):
+            r, step = compute_order[ci]
+            ci += 1
+            left[r] -= 1
+            job, C = jobs[r], jobs[r].plan.chunk_tokens
+            a, b = max(step.tokens[0], lo[r] * C), min(step.tokens[1], hi[r] * C, limit[r] * C)
+            if b > a and a // C == lo[r]:
+                tc = max(tc, job.start_s)
+                if job.act_s:                      # the step's activations cross the link first
+                    tio += (b - a) // C * job.act_s
+                    busy_io[r] += (b - a) // C * job.act_s
+                    if lo[r] == 0:
+                        tc = max(tc, tio)          # the first step waits for its own; later ones are prefetched
+                dt = cost.step_time((a, b), step.layers[1] - step.layers[0])
+                tc, busy_c[r], lo[r], c_end[r] = tc + dt, busy_c[r] + dt, b // C, tc + dt
+            tc = serve(tc, False)
+        else:
+            r, step = io_order[ii]
+            ii += 1
+            c0 = step.chunks[0]
+            if lo[r] <= c0 < hi[r]:
+                dt = read_s((step.chunks[1] - c0) * (step.layers[1] - step.layers[0]))
+                tio, busy_io[r], hi[r], loaded_at[r] = tio + dt, busy_io[r] + dt, c0, tio + dt
+    serve(tc, True)
+    return [SimResult(max(c_end[r], loaded_at[r]), c_end[r], busy_c[r], busy_io[r], lo[r],
+                      ttft[r] if jobs[r].query else max(c_end[r], loaded_at[r])) for r in range(n)]
+
+
+def simulate_plan(plan: Plan, cost: CostModel, read_s, **job) -> SimResult:
+    """One dynamic-meet plan with its own step and load orders."""
+    (res,) = simulate([SimJob(plan, **job)], [(0, s) for s in plan.compute], [(0, s) for s in plan.loads], [0],
+                      cost, read_s)
+    return res
