@@ -1,0 +1,273 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an EngineLoop.
+
+    GET  /health                 liveness (no API key)
+    GET  /v1/models              the one served model
+    GET  /metrics                Prometheus text (TTFT / inter-token histograms, queue, blocks, hits, pool)
+    POST /v1/completions         prompt as text or token ids (one or several), streaming (SSE) or not
+    POST /v1/chat/completions    messages through the checkpoint's chat template or the byte-level fallback
+
+Every failure is an OpenAI-style JSON error ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
+request (malformed JSON, bad field, bad sampling value, prompt longer than the context), 401 for a wrong API key,
+404 for an unknown model, 503 while shutting down, 500 if the engine fails — and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from kvflow.engine import LLMEngine
+from kvflow.engine.engine import RequestOutput
+from kvflow.errors import KVFlowError
+from kvflow.server.loop import EngineLoop, ServerBusy
+from kvflow.server.metrics import ServerMetrics
+from kvflow.server.protocol import ChatRequest, CompletionRequest
+
+log = logging.getLogger("kvflow.server")
+DEFAULT_MAX_TOKENS = 16
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+def _validation_message(err: ValidationError) -> tuple[str, str | None]:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    msg = first.get("msg", "invalid value")
+    return (f"{where}: {msg}" if where else msg), (where or None)
+
+
+def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | None = None,
+              drain_timeout_s: float = 30.0) -> FastAPI:
+    state: dict = {}
+    metrics = ServerMetrics(engine, lambda: state.get("loop"))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop = EngineLoop(engine, metrics).start()
+        state["loop"] = app.state.engine_loop = loop
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(loop.shutdown, drain_timeout_s)
+
+    app = FastAPI(title="kvflow", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        metrics.responses.labels(request.url.path, str(err.status)).inc()
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        metrics.responses.labels(request.url.path, "500").inc()
+        return APIError(500, f"internal error: {type(err).__name__}", "server_error").response()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                metrics.responses.labels(request.url.path, "401").inc()
+                return APIError(401, "invalid or missing API key", "authentication_error",
+                                code="invalid_api_key").response()
+        return await call_next(request)
+
+    async def parse(request: Request, cls):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise APIError(400, f"request body is not valid JSON: {err}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object")
+        try:
+            req = cls.model_validate(body)
+        except ValidationError as err:
+            msg, param = _validation_message(err)
+            raise APIError(400, msg, param=param) from None
+        if req.model != model_name:
+            raise APIError(404, f"model {req.model!r} does not exist (this server serves {model_name!r})",
+                           param="model", code="model_not_found")
+        if req.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
+        return req
+
+    def sampling(req, max_tokens: int | None):
+        try:
+            params = req.sampling(DEFAULT_MAX_TOKENS)
+            if max_tokens is not None:
+                params.max_tokens = max_tokens
+                params.validate()
+        except KVFlowError as err:
+            raise APIError(400, str(err)) from None
+        return params
+
+    def check(ids: list[int], params) -> None:
+        try:
+            engine.check_prompt(ids, params)
+        except KVFlowError as err:
+            raise APIError(400, str(err), param="prompt") from None
+
+    def submit(ids, params):
+        try:
+            return state["loop"].submit(ids, params)
+        except ServerBusy as err:
+            raise APIError(503, str(err), "server_error") from None
+
+    async def events(handle):
+        """RequestOutputs of one request until it finishes; aborts it if the client goes away."""
+        done = False
+        try:
+            while not done:
+                item = await handle.events.get()
+                if isinstance(item, KVFlowError):
+                    raise APIError(400, str(item))
+                if isinstance(item, Exception):
+                    raise APIError(500, f"engine error: {type(item).__name__}: {item}", "server_error")
+                done = item.finished
+                yield item
+        finally:
+            if not done:
+                state["loop"].abort(handle)
+
+    def usage(out: RequestOutput) -> dict:
+        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                "total_tokens": out.prompt_tokens + out.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+
+    # ------------------------------------------------------------------------------------- routes
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "kvflow", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await parse(request, CompletionRequest)
+        if req.echo or req.logprobs:
+            raise APIError(400, "echo and logprobs are not supported", param="echo" if req.echo else "logprobs")
+        prompts = _prompts(req.prompt, tokenizer)
+        params = sampling(req, None)
+        for ids in prompts:
+            check(ids, params)
+        if req.stream and len(prompts) != 1:
+            raise APIError(400, "streaming takes one prompt per request", param="prompt")
+        rid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+        handles = [submit(ids, params) for ids in prompts]
+        if req.stream:
+            return _sse(_stream_completion(events(handles[0]), rid, created, model_name, req.include_usage, usage))
+        choices, total = [], None
+        for i, handle in enumerate(handles):
+            text, ids, last = "", [], None
+            async for out in events(handle):
+                text, ids, last = text + out.text_delta, ids + out.new_token_ids, out
+            choices.append({"index": i, "text": text, "token_ids": ids, "logprobs": None,
+                            "finish_reason": last.finish_reason})
+            u = usage(last)
+            total = u if total is None else {k: (total[k] + u[k] if k != "prompt_tokens_details" else
+                                                 {"cached_tokens": total[k]["cached_tokens"] +
+                                                  u[k]["cached_tokens"]}) for k in u}
+        metrics.responses.labels(request.url.path, "200").inc()
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": choices, "usage": total}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = await parse(request, ChatRequest)
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        ids = tokenizer.chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        params = sampling(req, req.max_completion_tokens)
+        check(ids, params)
+        rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        handle = submit(ids, params)
+        if req.stream:
+            return _sse(_stream_chat(events(handle), rid, created, model_name, req.include_usage, usage))
+        text, tokens, last = "", [], None
+        async for out in events(handle):
+            text, tokens, last = text + out.text_delta, tokens + out.new_token_ids, out
+        metrics.responses.labels(request.url.path, "200").inc()
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": tokens,
+                             "logprobs": None, "finish_reason": last.finish_reason}],
+                "usage": usage(last)}
+
+    return app
+
+
+def _prompts(prompt, tokenizer) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _sse(gen) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _data(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _stream_completion(outputs, rid, created, model, include_usage, usage):
+    last = None
+    try:
+        async for out in outputs:
+            last = out
+            yield _data({"id": rid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [{"index": 0, "text": out.text_delta, "token_ids": out.new_token_ids,
+                                      "logprobs": None, "finish_reason": out.finish_reason}]})
+    except APIError as err:
+        yield _data({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+    if include_usage and last is not None:
+        yield _data({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                     "usage": usage(last)})
+    yield "data: [DONE]\n\n"
+
+
+async def _stream_chat(outputs, rid, created, model, include_usage, usage):
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    yield _data({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]})
+    last = None
+    try:
+        async for out in outputs:
+            last = out
+            yield _data({**head, "choices": [{"index": 0, "delta": {"content": out.text_delta},
+                                              "token_ids": out.new_token_ids, "logprobs": None,
+                                              "finish_reason": out.finish_reason}]})
+    except APIError as err:
+        yield _data({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+    if include_usage and last is not None:
+        yield _data({**head, "choices": [], "usage": usage(last)})
+    yield "data: [DONE]\n\n"
