@@ -10,10 +10,12 @@ YAML/TOML file with ``KVFLOW_POOL_*`` environment overrides for its scalar field
         - {type: memory, capacity: 2G}
         - {type: extent, path: /mnt/nvme0/kvflow.img, capacity: 64G}
         - {type: files, path: /var/tmp/kvflow-files, capacity: 8G, bandwidth: 500M}
+        - {type: extent, path: /dev/nvme1n1, throttle: 1.25G, latency_s: 0.0001}   # emulated NVMe-oF link
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,7 @@ import torch
 
 from kvflow.config import check, load_section, read_file
 from kvflow.errors import ConfigError
+from kvflow.pool.devices.throttle import MAX_LATENCY_S
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PLACEMENTS = ("bandwidth", "equal", "overflow")
@@ -34,6 +37,7 @@ class DeviceConfig:
     capacity: int | None = None     # bytes ("64G"); an extent on a block device defaults to the device size
     bandwidth: int | None = None    # bytes/s read bandwidth to assume instead of probing
     throttle: int | None = None     # cap this device at bytes/s (token bucket) to emulate a link or a slower SSD
+    latency_s: float = 0.0          # every read pays this many seconds (reads in flight overlap theirs), e.g. 1e-4
     workers: int = 4                # I/O threads of this device (queue depth)
     direct: bool = True             # extent: O_DIRECT (page cache bypassed); false only where O_DIRECT is unsupported
     zero_fill: bool = True          # extent: write zeros over a new file once so first writes are not slow
@@ -52,6 +56,8 @@ class DeviceConfig:
         check(self.bandwidth is None or self.bandwidth > 0, f"{where}.bandwidth: must be positive bytes/s")
         check(self.throttle is None or self.throttle > 0, f"{where}.throttle: must be positive bytes/s")
         check(1 <= self.workers <= 64, f"{where}.workers: must be 1..64")
+        check(math.isfinite(self.latency_s) and 0 <= self.latency_s <= MAX_LATENCY_S,
+              f"{where}.latency_s: must be between 0 and {MAX_LATENCY_S:g} seconds, got {self.latency_s!r}")
 
     @property
     def persistent(self) -> bool:

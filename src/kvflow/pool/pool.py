@@ -21,6 +21,7 @@ Anonymous memory devices are volatile and never logged.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -36,6 +37,7 @@ from kvflow.pool import eviction
 from kvflow.pool.allocator import ExtentAllocator, round_up
 from kvflow.pool.config import PoolConfig
 from kvflow.pool.devices import Throttled, open_device
+from kvflow.pool.devices.throttle import MAX_LATENCY_S, check_latency
 from kvflow.pool.fsck import fsck
 from kvflow.pool.index import Entry, LookupTable
 from kvflow.pool.journal import PUT, Journal, Op
@@ -123,7 +125,7 @@ class KVPool:
             bw = Bandwidth(float(dcfg.bandwidth or m.get("read_bw") or 0),
                            float(dcfg.bandwidth or m.get("write_bw") or 0))
             io = ThreadPoolExecutor(dcfg.workers, thread_name_prefix=f"kvpool-dev{len(st.slots)}")
-            st.slots.append(Slot(Throttled(device, dcfg.throttle), dcfg, ident,
+            st.slots.append(Slot(Throttled(device, dcfg.throttle, dcfg.latency_s), dcfg, ident,
                                  ExtentAllocator(device.capacity, device.align), io, bw, cap=dcfg.throttle))
         st.table = LookupTable(len(st.slots))
         if st.journal is not None:
@@ -334,15 +336,27 @@ class KVPool:
         """Bytes/s the organizer believes the whole pool reads at: sum of b_i over healthy devices, caps applied."""
         return sum(s.read_bw for s in self._state.slots if s.healthy)
 
-    def set_throttle(self, bytes_per_s: float | None) -> None:
-        """Cap the whole pool at ``bytes_per_s``, split over devices by p_i (unchanged, so stored data stays evenly
-        striped). None removes the cap (devices keep any ``throttle`` from their config)."""
+    @property
+    def read_latency(self) -> float:
+        """Seconds every read pays on top of its bytes (the slowest healthy device's; 0 without a throttle). Reads
+        in flight together pay it side by side, so a load of r reads on d devices costs about this once per
+        ceil(r / (d x workers)) — what the planner's I/O model charges per read step."""
+        return max((s.device.latency for s in self._state.slots if s.healthy), default=0.0)
+
+    def set_throttle(self, bytes_per_s: float | None, latency_s: float = 0.0) -> None:
+        """Emulate a link: cap the whole pool at ``bytes_per_s``, split over devices by p_i (unchanged, so stored
+        data stays evenly striped), and make every read pay ``latency_s`` more than its device's configured
+        ``latency_s``. None removes the cap (devices keep any ``throttle`` from their config)."""
+        if bytes_per_s is not None and not (math.isfinite(bytes_per_s) and bytes_per_s > 0):
+            raise ValueError(f"set_throttle: bytes_per_s must be a positive number or None, got {bytes_per_s!r}")
+        latency_s = check_latency(latency_s, "set_throttle: latency_s")
         st = self._state
         with st.lock:
             base = [effective(s.bw.read, s.cfg.throttle) if s.healthy else 0.0 for s in st.slots]
             for s, p in zip(st.slots, ratios(base)):
                 s.cap = s.cfg.throttle if bytes_per_s is None else (max(bytes_per_s * p, 1.0) if p else None)
                 s.device.set_rate(s.cap)
+                s.device.set_latency(min(s.cfg.latency_s + latency_s, MAX_LATENCY_S))
 
     def stats(self) -> dict:
         st = self._state
@@ -350,10 +364,11 @@ class KVPool:
             p = ratios([s.read_bw if s.healthy else 0.0 for s in st.slots])
             devs = [{**s.device.describe(), "capacity": s.alloc.capacity, "used": s.alloc.used_bytes,
                      "free": s.alloc.free_bytes, "records": st.table.count(i), "read_bw": s.read_bw,
-                     "probed_read_bw": s.bw.read, "probed_write_bw": s.bw.write, "throttle": s.cap, "p": p[i],
+                     "probed_read_bw": s.bw.read, "probed_write_bw": s.bw.write, "throttle": s.cap, "latency_s": s.device.latency, "p": p[i],
                      "healthy": s.healthy, **s.counters} for i, s in enumerate(st.slots)]
             return {"records": len(st.table), "capacity": sum(d["capacity"] for d in devs),
                     "used": sum(d["used"] for d in devs), "read_bandwidth": self.read_bandwidth,
+                    "read_latency": self.read_latency,
                     "durability": self.cfg.durability, "placement": self.cfg.placement, "readonly": self.readonly,
                     "next_seq": st.next_seq, **st.counters, "devices": devs}
 
