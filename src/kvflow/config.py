@@ -14,7 +14,10 @@ overrides. Every problem is a ConfigError naming the section and key, never a tr
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import os
+import sys
 import tomllib
 import types
 import typing
@@ -46,6 +49,11 @@ def read_file(path: str | os.PathLike) -> dict:
     return data
 
 
+# Sane maxima: a byte count or count beyond these is a typo (``capacity: 1e30``), not a machine.
+MAX_INT = 2**62
+MAX_FLOAT = 1e15
+
+
 def _parse_scalar(kind: type, value: Any, where: str):
     if isinstance(value, str) and kind is not str:
         text = value.strip()
@@ -55,26 +63,52 @@ def _parse_scalar(kind: type, value: Any, where: str):
             if text.lower() in ("0", "false", "no", "off"):
                 return False
             raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        if kind is int:
+            return parse_size(text, where)
         try:
-            return kind(_parse_size(text) if kind is int else text)
+            value = float(text)
         except ValueError:
-            raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}") from None
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}")
+    if kind is float and not (math.isfinite(value) and abs(value) <= MAX_FLOAT):
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+    if kind is int and abs(value) > MAX_INT:
+        raise ConfigError(f"{where}: {value} is out of range")
     return value
 
 
-_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50}
 
 
-def _parse_size(text: str) -> int:
-    """'64M', '1GiB', '4096' -> bytes (binary units); plain ints pass through."""
-    t = text.lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in _UNITS:
-        return int(float(t[:-1]) * _UNITS[t[-1]])
-    return int(t)
+def parse_size(text: str | int, where: str = "size") -> int:
+    """'64M', '1GiB', '1.5g', '4096' -> bytes (binary units); ConfigError naming ``where`` for anything else
+    (``infG``, ``abc``, ``1e30``)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+        scale = 1
+        if t and t[-1] in _UNITS:
+            t, scale = t[:-1], _UNITS[t[-1]]
+        try:
+            number = float(t) if any(c in t for c in ".e") else int(t, 10)
+        except ValueError:
+            number = None
+        if (number is None or not math.isfinite(number)
+                or (scale == 1 and isinstance(number, float) and not number.is_integer())):
+            raise ConfigError(f"{where}: expected int (or a size such as 64M, 1.5G), got {text!r}")
+        if abs(number) * scale > MAX_INT:
+            raise ConfigError(f"{where}: {text!r} is out of range")
+        value = int(number * scale)
+    if abs(value) > MAX_INT:
+        raise ConfigError(f"{where}: {value} is out of range")
+    return value
+
+
+_parse_size = parse_size   # the old private name, still imported by the pool
 
 
 def _convert(tp, value: Any, where: str):
@@ -144,3 +178,57 @@ def check(cond: bool, message: str) -> None:
     """Validation helper for ``validate()`` methods."""
     if not cond:
         raise ConfigError(message)
+
+
+# -- environment -----------------------------------------------------------------------------------------------
+# Variables kvflow reads besides the ``KVFLOW_<SECTION>_<FIELD>`` overrides.
+ENV_VARS = ("KVFLOW_HOME", "KVFLOW_CONFIG", "KVFLOW_TORCH_THREADS", "KVFLOW_BENCH_DISK", "KVFLOW_TEST_THREADS")
+# Sections that take env overrides: name -> "module:Class" (imported only to list their fields).
+SECTIONS = {"pool": "kvflow.pool.config:PoolConfig", "planner": "kvflow.planner.strategies:PlannerConfig"}
+
+
+def env_int(name: str, lo: int, hi: int, env: Mapping[str, str] | None = None) -> int | None:
+    """An integer environment variable in [lo, hi], None when unset or empty; ConfigError naming it otherwise."""
+    env = os.environ if env is None else env
+    text = env.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise ConfigError(f"{name}: expected an integer {lo}..{hi}, got {text!r}") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}: must be {lo}..{hi}, got {value}")
+    return value
+
+
+def _known_env() -> set[str]:
+    known = set(ENV_VARS)
+    for section, where in SECTIONS.items():
+        module, _, name = where.partition(":")
+        try:
+            cls = getattr(__import__(module, fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            continue
+        known |= {f"KVFLOW_{section.upper()}_{f.name.upper()}" for f in dataclasses.fields(cls)}
+    return known
+
+
+def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
+    """One warning per ``KVFLOW_*`` variable kvflow does not read (a misspelling is silently ignored otherwise),
+    with the closest known name."""
+    env = os.environ if env is None else env
+    names = [v for v in env if v.startswith("KVFLOW_")]
+    if not names:
+        return []
+    known = _known_env()
+    out = []
+    for var in sorted(set(names) - known):
+        close = difflib.get_close_matches(var[7:], [k[7:] for k in known], n=1, cutoff=0.75)
+        out.append(f"{var} is not a kvflow variable (ignored)" + (f"; did you mean KVFLOW_{close[0]}?" if close else ""))
+    return out
+
+
+def warn_unknown_env(env: Mapping[str, str] | None = None) -> None:
+    for line in unknown_env(env):
+        print(f"warning: {line}", file=sys.stderr)

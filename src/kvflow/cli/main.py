@@ -14,6 +14,7 @@ try:  # typer >= 0.20 vendors click; older typer uses click itself
 except ImportError:  # pragma: no cover
     from click import exceptions as cx
 
+from kvflow.config import warn_unknown_env
 from kvflow.errors import KVFlowError
 
 app = typer.Typer(help="kvflow: exact, fast KV-cache restoration for long contexts.", no_args_is_help=True,
@@ -35,11 +36,16 @@ def _register() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _register()
+    warn_unknown_env()
     try:
         rc = app(args=argv, standalone_mode=False)  # non-standalone click returns typer.Exit's code
         return rc if isinstance(rc, int) else 0
     except KVFlowError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # the file system refused (read-only folder, no space, not a directory): one line
+        where = f": {err.filename}" if err.filename else ""
+        print(f"error: {err.strerror or err}{where}", file=sys.stderr)
         return 2
     except typer.Abort:
         print("aborted", file=sys.stderr)

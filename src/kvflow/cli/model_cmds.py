@@ -107,6 +107,10 @@ def profile_cmd(
     from kvflow.cost import CostModel, default_profile_path, profile
     from kvflow.model import load_model
 
+    from kvflow.cost.model import writable_dir
+
+    if out is not None:
+        writable_dir(out.parent, "--out")      # before the profiling run, not after it
     runner = load_model(model, seed=seed, dtype=dtype)
     path = out or default_profile_path(model, runner.fingerprint, torch.get_num_threads())
     if path.exists() and not force and (show or out is None):

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from kvflow.config import env_int
 from kvflow.errors import ModelError
 from kvflow.model.presets import PRESETS, build_config, parse_name
 
@@ -165,6 +166,24 @@ class ModelRunner:
             h.update(p.detach().contiguous().view(torch.uint8).numpy().data)
         return h.hexdigest()
 
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    def check_context_len(self, n: int, copies: int = 4) -> None:
+        """Refuse a context of ``n`` tokens that the model cannot address or this machine cannot hold: ``copies``
+        fp32 KV caches of n tokens (restored cache, reference prefill, stored records, staging) plus the weights
+        must fit the free memory of the device the model runs on. One ModelError line, before any allocation."""
+        if n < 1:
+            raise ModelError(f"context of {n} tokens: must be at least 1")
+        if self.max_positions and n > self.max_positions:
+            raise ModelError(f"context of {n:,} tokens exceeds {self.name}'s {self.max_positions:,} positions")
+        need = copies * n * self.kv_bytes_per_token("float32") + self.num_parameters * self.dtype.itemsize
+        free = free_memory(next(self.hf_model.parameters()).device)
+        if free is not None and need > free:
+            raise ModelError(f"context of {n:,} tokens needs about {need / 2**30:.1f} GiB for {self.name}'s KV "
+                             f"caches; {free / 2**30:.1f} GiB is free")
+
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype)
 
@@ -246,10 +265,30 @@ class ModelRunner:
         return kv, out.logits[0, -1].float()
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device`` (host: MemAvailable), None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def max_threads() -> int:
+    """Most torch threads kvflow will ask for: oversubscribing a few times is a choice, 99999 is a typo (and
+    crashes the OpenMP runtime)."""
+    return max(64, 4 * (os.cpu_count() or 1))
+
+
 def _resolve_threads() -> None:
-    threads = os.environ.get("KVFLOW_TORCH_THREADS")
+    threads = env_int("KVFLOW_TORCH_THREADS", 1, max_threads())   # checked before torch sees it
     if threads:
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(threads)
 
 
 def load_model(name_or_path: str, *, seed: int = 0, dtype: str = "float32") -> ModelRunner:
@@ -265,11 +304,14 @@ def load_model(name_or_path: str, *, seed: int = 0, dtype: str = "float32") -> M
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{name_or_path}: not a transformers checkpoint (no config.json)")
+        from safetensors import SafetensorError
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa",
                                                          local_files_only=True)
-        except (OSError, ValueError, KeyError) as err:
-            raise ModelError(f"{name_or_path}: cannot load checkpoint: {str(err).splitlines()[0]}") from None
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as err:
+            # truncated/garbled weights, a bad config.json, a shape that does not match its tensors
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ModelError(f"{name_or_path}: cannot load checkpoint: {first}") from None
         return ModelRunner(model, str(path))
     if name_or_path.partition("@")[0] not in PRESETS and ("/" in name_or_path or path.suffix):
         raise ModelError(f"{name_or_path}: no such checkpoint directory")

@@ -1,0 +1,87 @@
+"""Generated bad input never reaches the user as a traceback: every generated pool config, command line and
+environment ends in exit 0 (fsck: 1 when it found bad records) or exit 2 with one ``error:`` line — the input
+was accepted or refused, nothing in between. ``KVFLOW_BAD_INPUT_CASES`` sets how many cases (``make test``: 200;
+``make reliability``: 2,000)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from kvflow.cost.model import default_profile_path
+
+from .bad_input import Case, cases, run_case
+
+CASES = int(os.environ.get("KVFLOW_BAD_INPUT_CASES", "200"))
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory, tiny):
+    path = tmp_path_factory.mktemp("checkpoint") / "tiny"
+    tiny.hf_model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def profile_name(tiny):
+    import torch
+    return default_profile_path("tiny", tiny.fingerprint, torch.get_num_threads()).name
+
+
+def _check(case: Case, checkpoint, profile_name) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvflow-bad-input-") as root:
+        outcomes = run_case(case, Path(root), checkpoint, profile_name)
+    for out in outcomes:
+        allowed = (0, 1, 2) if "fsck" in case.argv else (0, 2)
+        assert not out.problems(allowed), (case, out.problems(allowed), out.stderr[-2000:])
+
+
+@settings(max_examples=CASES, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+@given(case=cases())
+def test_generated_input_is_accepted_or_refused_with_one_line(case, checkpoint, profile_name):
+    _check(case, checkpoint, profile_name)
+
+
+@pytest.mark.parametrize("case", [
+    Case(["pool", "init"], config={"pool": {"index_dir": "idx", "devices": [{"type": "extent", "path": "d.img",
+                                                                           "capacity": "infG"}]}}),
+    Case(["pool", "probe", "--size", "abc"], config={"index_dir": "idx", "probe_bytes": "1M", "devices": [
+        {"type": "extent", "path": "d.img", "capacity": "2M"}]}),
+    Case(["pool", "stat"], env={"KVFLOW_POOL_CHECKPOINT_INTERVAL_S": "inf"},
+         config={"index_dir": "idx", "devices": [{"type": "extent", "path": "d.img", "capacity": "1M"}]}),
+    Case(["pool", "init"], config={"index_dir": "afile/idx", "devices": [
+        {"type": "extent", "path": "d.img", "capacity": "1M"}]}),
+    Case(["profile", "tiny"], env={"KVFLOW_TORCH_THREADS": "abc"}),
+    Case(["profile", "tiny"], env={"KVFLOW_TORCH_THREADS": "99999"}),
+    Case(["profile", "tiny"], env={"KVFLOW_HOME": "afile/home"}),
+    Case(["profile", "ck-truncated"]),
+    Case(["profile", "tiny", "--show"], profile={"model": "tiny", "a": "fast"}),
+    Case(["demo", "--model", "tiny", "--context", "300000000"]),
+], ids=["capacity-infG", "size-abc", "interval-inf", "index-under-a-file", "threads-abc", "threads-99999",
+        "home-under-a-file", "truncated-safetensors", "profile-wrong-type", "context-300M"])
+def test_the_reported_cases_are_one_line_errors(case, checkpoint, profile_name):
+    with tempfile.TemporaryDirectory(prefix="kvflow-bad-input-") as root:
+        (out,) = run_case(case, Path(root), checkpoint, profile_name)
+    assert out.rc == 2 and not out.problems(), (out.problems(), out.stderr)
+
+
+def test_a_misspelled_variable_is_warned_about(checkpoint, profile_name):
+    case = Case(["pool", "stat"], env={"KVFLOW_POOL_DURABILTY": "relaxed"})
+    with tempfile.TemporaryDirectory(prefix="kvflow-bad-input-") as root:
+        (out,) = run_case(case, Path(root), checkpoint, profile_name)
+    assert "KVFLOW_POOL_DURABILTY is not a kvflow variable" in out.stderr
+    assert "did you mean KVFLOW_POOL_DURABILITY?" in out.stderr
+
+
+def test_thread_count_typos_end_as_one_line_not_a_signal(tmp_path):
+    """In a real process: 99999 threads crashed the OpenMP runtime (a signal cannot be caught in-process)."""
+    proc = subprocess.run([sys.executable, "-m", "kvflow", "profile", "tiny", "--max-position", "256"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KVFLOW_TORCH_THREADS": "99999", "KVFLOW_HOME": str(tmp_path)})
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: KVFLOW_TORCH_THREADS")
