@@ -21,6 +21,11 @@ def test_bench_pipeline_compares_one_and_two_stages_and_checks_every_configurati
         assert p["max_abs_diff"] <= 1e-4 and p["argmax_ok"]
         assert p["ttft_s"] > 0 and p["lower_bound_s"] > 0 and "speedup_vs_1" in p
         assert len(p["per_stage"]) == p["stages"] and p["timeline"]
+        assert p["measured_bound_s"] > 0 and p["vs_measured_bound"] == p["ttft_s"] / p["measured_bound_s"]
+    # rho is defined once, from rates measured in this run: a stage's link is rho x its layers' measured rate
+    rates = results["recompute_rate_bytes_per_s"]
+    single = results["points"][0]
+    assert single["bandwidths"] == [rates[str(results["model"]["layers"])]]
     assert results["splits"]["2"] and results["overhead"]["2"]["percent_of_kv"] > 0
     assert (tmp_path / "results.json").exists() and (tmp_path / "pipeline-timeline-rho1.png").stat().st_size > 0
 

@@ -8,6 +8,7 @@ import torch
 
 from kvflow import KVPool, Restorer
 from kvflow.pipeline import Pipeline, PipelineRun, link_bandwidths, shared_pool
+from kvflow.planner.pipeline import stage_rate
 from tests.conftest import max_abs_diff_kv
 from tests.restore.test_restore_exactness import ids, synthetic_cost
 
@@ -49,7 +50,7 @@ def test_stage_processes_restore_every_layer_and_the_logits_of_one_full_prefill(
     for stages in ([(0, 1), (1, 4)], [(0, 3), (3, 4)]):       # uneven splits, both ways round
         for mode, handoff in (("independent", "stage"), ("sequential", "stage"), ("sequential", "step")):
             for rho in (None, 0.5):
-                bw = link_bandwidths(restorer.cost, stages, rho, C)
+                bw = link_bandwidths(lambda k: stage_rate(restorer.cost, k, C), stages, rho)
                 bw = bw and [b * 50 for b in bw]           # keep the test fast, ratios intact
                 runs.append(PipelineRun(context, query, stages, mode, bw, handoff=handoff, return_kv=True,
                                         label=f"{stages} {mode}/{handoff} rho={rho}"))

@@ -125,9 +125,11 @@ def batch_bound(probe: CellProbe, requests: list[tuple[int, QueryTimes]], link_b
                          min(q.io_after for _, q in requests))
 
 
-def recompute_rate(runner: ModelRunner, chunk_tokens: int, repeats: int = 5) -> float:
+def recompute_rate(runner: ModelRunner, chunk_tokens: int, repeats: int = 5, layers: int | None = None) -> float:
     """KV bytes per second that recompute produces at short context, measured warm now: one chunk at position 0
-    through every layer, median of ``repeats`` after one warm-up. The denominator of rho (DESIGN.md §5)."""
+    through ``layers`` layers (default all), median of ``repeats`` after one warm-up. The denominator of rho
+    (DESIGN.md §5), the same for restore, batch, pipeline and demo."""
+    n = runner.num_layers if layers is None else layers
     ids = torch.randint(0, min(runner.config.vocab_size, 32000), (chunk_tokens,),
                         generator=torch.Generator().manual_seed(0))
     times = []
@@ -135,9 +137,9 @@ def recompute_rate(runner: ModelRunner, chunk_tokens: int, repeats: int = 5) -> 
         cache = runner.new_cache(chunk_tokens)
         h = runner.embed(ids)
         t0 = time.perf_counter()
-        runner.run_layers(cache, h, 0, (0, runner.num_layers))
+        runner.run_layers(cache, h, 0, (0, n))
         times.append(time.perf_counter() - t0)
-    return chunk_tokens * runner.kv_bytes_per_token() / statistics.median(times[1:])
+    return chunk_tokens * runner.kv_bytes_per_token() * n / runner.num_layers / statistics.median(times[1:])
 
 
 def odirect_read_rate(path: str, nbytes: int, threads: int = 4, block: int = 1 << 20) -> float:

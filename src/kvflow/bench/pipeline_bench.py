@@ -3,9 +3,15 @@ g waits for stage g-1's hidden states) vs one stage — same model, same pool, s
 
 Every stage is its own process with ONE torch thread (configurable), so on a 2-core machine 2 stages use both
 cores and 1 stage uses one: each stage is one "GPU". Each stage has its own link: its pool reader is throttled to
-rho x the KV bytes/s its own layers recompute at short context (1 thread); the 1-stage baseline's link follows
-the same rule with all layers, so every link has (almost exactly) the same speed, as every GPU has its own PCIe
-link. "Unthrottled" reads the shared-memory pool as fast as it goes.
+rho x the KV bytes/s its own layers recompute at short context (1 thread), measured warm at the start of the run
+(bench/bound.py, as restore does); the 1-stage baseline's link follows the same rule with all layers, so every
+link has (almost exactly) the same speed, as every GPU has its own PCIe link. "Unthrottled" reads the
+shared-memory pool as fast as it goes.
+
+The measured bound of an S-stage configuration: the slowest stage's balance point (planner/pipeline.py
+``stage_balance``) of cell costs measured in this run (bench/bound.py ``CellProbe``, with the stages' thread count,
+probed before and after the runs), its link's rate and activations, plus the query through the later stages and
+the LM head, measured alone. The cost model's T* is reported beside it.
 
 Runs are interleaved (configs rotate every repeat); medians are reported. The first run of every config is
 checked against one full prefill (KV of every layer + logits) and doubles as warm-up.
@@ -27,7 +33,8 @@ from kvflow.cost import CostModel, default_profile_path, profile
 from kvflow.errors import KVFlowError
 from kvflow.model import load_model
 from kvflow.planner import PlannerConfig, Request
-from kvflow.planner.pipeline import PipelinePlanner, even_split, parse_split, stage_rate
+from kvflow.bench.bound import CellProbe, recompute_rate
+from kvflow.planner.pipeline import PipelinePlanner, even_split, parse_split, stage_balance
 
 Progress = Callable[[str], None]
 
@@ -73,7 +80,7 @@ def compute_speed(cost: CostModel, report) -> float | None:
     return sum(cost.step_time((a, b), n) for a, b, n, _ in steps) / actual if actual > 0 else None
 
 
-def _splits(cfg: PipelineBenchConfig, runner, planner: PipelinePlanner, req: Request, cost) -> dict[int, list]:
+def _splits(cfg: PipelineBenchConfig, runner, planner: PipelinePlanner, req: Request, rate) -> dict[int, list]:
     L, out = runner.num_layers, {}
     for S in cfg.stages:
         if S < 1 or S > L:
@@ -83,7 +90,6 @@ def _splits(cfg: PipelineBenchConfig, runner, planner: PipelinePlanner, req: Req
         elif cfg.split == "even":
             out[S] = even_split(L, S)
         elif cfg.split == "auto":
-            rate = lambda n: stage_rate(cost, n, cfg.chunk_tokens)  # noqa: E731
             split = even_split(L, S)
             out[S] = list(planner.balance(req, split, [rate(b - a) for a, b in split], rate).suggested or split)
         else:
@@ -112,8 +118,17 @@ def run(cfg: PipelineBenchConfig, progress: Progress = lambda s: None) -> dict:
     n = cfg.context // C
     req = Request(cfg.context, cfg.query, n)
     cell = C * cost.kv_bytes_per_token_layer + HEADER_SIZE
-    planner = PipelinePlanner(cost, C, cell, C * runner.hidden_size * 4 + HEADER_SIZE, PlannerConfig())
-    splits = _splits(cfg, runner, planner, req, cost)
+    act_record = C * runner.hidden_size * 4 + HEADER_SIZE
+    planner = PipelinePlanner(cost, C, cell, act_record, PlannerConfig())
+    before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)                  # rates and bound probes with a stage's threads
+    try:
+        progress("measuring the recompute rate (rho's denominator) with a stage's threads")
+        measured = {k: recompute_rate(runner, C, layers=k) for k in range(1, L + 1)}
+    finally:
+        torch.set_num_threads(before)
+    rate = measured.__getitem__
+    splits = _splits(cfg, runner, planner, req, rate)
     boundaries = sorted({a for split in splits.values() for a, _ in split[1:]})
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     context = torch.randint(0, runner.config.vocab_size, (cfg.context,), generator=gen)
@@ -134,7 +149,7 @@ def run(cfg: PipelineBenchConfig, progress: Progress = lambda s: None) -> dict:
     def make(rho, S, mode, handoff, verify):
         split = splits[S]
         return PipelineRun(context, query, split, "independent" if mode == "single" else mode,
-                           link_bandwidths(cost, split, rho, C), handoff=handoff, return_kv=verify,
+                           link_bandwidths(rate, split, rho), handoff=handoff, return_kv=verify,
                            label=label(rho, S, mode, handoff))
 
     runs = [make(rho, *c, verify=True) for rho in cfg.rhos for c in configs]
@@ -154,8 +169,21 @@ def run(cfg: PipelineBenchConfig, progress: Progress = lambda s: None) -> dict:
             ref_kv, ref_logits = runner.reference_prefill(torch.cat([context, query]))
             pipe = Pipeline(name, runner.fingerprint, pool_cfg, cost, seed=cfg.seed, threads=cfg.threads,
                             timeout_s=cfg.timeout_s)
+            probe = CellProbe(C, L)
+            ids = torch.cat([context, query])
+
+            def bound_probe() -> None:
+                progress("measuring the bound (cell costs, query alone) with a stage's threads")
+                torch.set_num_threads(cfg.threads)
+                try:
+                    probe.probe(runner, ids, n, planner.config.max_step, planner.config.max_step)
+                finally:
+                    torch.set_num_threads(before)
+
+            bound_probe()
             progress(f"launching {max(cfg.stages)} stage processes for {len(runs)} runs")
             results = pipe.run(runs, progress=progress)
+            bound_probe()
         finally:
             pool.close()
 
@@ -186,6 +214,9 @@ def run(cfg: PipelineBenchConfig, progress: Progress = lambda s: None) -> dict:
                      "ttft_s": median, "ttft_runs": ttfts,
                      "restore_s": statistics.median(max(s.restore_s for s in r.stages) for r in group),
                      "lower_bound_s": mid.lower_bound_s, "predicted_ttft_s": mid.predicted_ttft_s,
+                     "measured_bound_s": (mb := measured_bound(probe, splits[S], link_bandwidths(rate, splits[S], rho),
+                                                               cell, act_record)),
+                     "vs_measured_bound": median / mb if mb else None,
                      "balance": mid.balance, "plan": mid.plan, **checks[lab],
                      "per_stage": [{"layers": list(s.layers), "inputs": s.inputs, "plan": s.plan,
                                     "restore_s": statistics.median(r.stages[s.stage].restore_s for r in group),
@@ -220,11 +251,35 @@ def run(cfg: PipelineBenchConfig, progress: Progress = lambda s: None) -> dict:
             "machine": {"cpus": os.cpu_count(), "torch_threads_per_stage": cfg.threads,
                         "note": f"each stage is its own process with {cfg.threads} torch thread(s): S stages use "
                                 f"S x {cfg.threads} core(s), the 1-stage baseline {cfg.threads}"},
+            "recompute_rate_bytes_per_s": {k: measured[k] for k in sorted({b - a for sp in splits.values()
+                                                                            for a, b in sp})},
+            "bound_probe": probe.summary(),
             "cost_model": {"threads": cost.threads, "short_context_rate": cost.short_context_rate(C),
                            "held_out_median_rel_error": cost.fit.get("held_out_median_rel_error")},
             "splits": {S: [list(s) for s in split] for S, split in splits.items()},
             "stored": {"kv_bytes": stored.bytes_written, "act_bytes": stored.act_bytes_written},
             "overhead": overhead, "points": points}
+
+
+def measured_bound(probe: CellProbe, split: list[tuple[int, int]], bandwidths: list[float] | None, cell_bytes: int,
+                   act_bytes: int) -> float | None:
+    """No S-stage restoration finishes sooner: each stage restores from its own link (its activations on it too)
+    at measured cell costs, then the query passes the later stages; None when unthrottled (the shared-memory
+    link's rate is not a link's)."""
+    if bandwidths is None:
+        return None
+    L = probe.num_layers
+    cells = probe.cells()
+    own = probe.own
+    q_layer = statistics.median(own.query_layer)
+    per_layer = statistics.median(own.query) / L
+    head = statistics.median(own.head)
+    worst = 0.0
+    for g, ((l0, l1), bw) in enumerate(zip(split, bandwidths)):
+        act_s = act_bytes / bw if g > 0 else 0.0
+        stage = stage_balance(cells, l1 - l0, cell_bytes / bw, act_s, len(cells), per_layer * (l1 - l0), q_layer)
+        worst = max(worst, stage + per_layer * (L - l1))
+    return worst + head
 
 
 def tables(results: dict) -> list[tuple[str, list[dict]]]:
@@ -234,6 +289,8 @@ def tables(results: dict) -> list[tuple[str, list[dict]]]:
                      "mode": p["mode"] + (f"/{p['handoff']}" if p["handoff"] else ""),
                      "layers": ",".join(str(b - a) for a, b in p["split"]),
                      "TTFT ms": p["ttft_s"] * 1e3, "restore ms": p["restore_s"] * 1e3,
+                     "bound ms": p["measured_bound_s"] * 1e3 if p["measured_bound_s"] else None,
+                     "TTFT/bound": p["vs_measured_bound"],
                      "T* ms": p["lower_bound_s"] * 1e3, "TTFT/T*": p["ttft_s"] / p["lower_bound_s"],
                      "speedup vs 1": _x(p.get("speedup_vs_1")),
                      "of ideal": f"{p['of_ideal']:.0%}" if "of_ideal" in p else "-",

@@ -9,11 +9,10 @@ import tempfile
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 from kvflow.chunks.record import HEADER_SIZE
-from kvflow.cost.model import CostModel
 from kvflow.model.runner import parse_dtype
-from kvflow.planner.pipeline import stage_rate
 from kvflow.pool.config import PoolConfig
 
 
@@ -36,13 +35,14 @@ def shared_pool(capacity: int | str = "1G", *, devices: int = 1, chunk_tokens: i
         shutil.rmtree(index, ignore_errors=True)
 
 
-def link_bandwidths(cost: CostModel, stages: list[tuple[int, int]], rho: float | None,
-                    chunk_tokens: int) -> list[float] | None:
-    """Each stage's own link: rho x the KV bytes/s its own layers recompute at short context (one stage = the
-    whole model, so the 1-stage baseline's link follows the same rule). None (unthrottled) when rho is None."""
+def link_bandwidths(rate: Callable[[int], float], stages: list[tuple[int, int]],
+                    rho: float | None) -> list[float] | None:
+    """Each stage's own link: rho x ``rate(n)``, the KV bytes/s that n layers recompute at short context (the
+    benchmark measures it; one stage = the whole model, so the 1-stage baseline's link follows the same rule).
+    None (unthrottled) when rho is None."""
     if rho is None:
         return None
-    return [rho * stage_rate(cost, b - a, chunk_tokens) for a, b in stages]
+    return [rho * rate(b - a) for a, b in stages]
 
 
 def boundary_overhead(runner, boundaries: list[int], chunk_tokens: int, storage_dtype: str = "float32") -> dict:

@@ -271,13 +271,23 @@ class PipelinePlanner:
 
 def stage_bound(cost: CostModel, io: IOModel, num_chunks: int, chunk_tokens: int, n_layers: int,
                 suffix: tuple[int, int], max_step: int, act_s: float, usable: int) -> float:
-    """T* of one stage, head excluded: the balance point (planner/bound.py) of the stage's cells, latest chunks
-    loaded first, with its inputs priced — every chunk that keeps a recomputed cell first moves its activation over
-    the same link, and chunks from ``usable`` on have no inputs, so they are loaded whole."""
-    cells = [c for c in reversed(model_cells(cost, num_chunks, chunk_tokens, max_step)) for _ in range(n_layers)]
+    """T* of one stage under the cost model, head excluded (:func:`stage_balance` of the model's cells)."""
+    return stage_balance(model_cells(cost, num_chunks, chunk_tokens, max_step), n_layers, io.cells_time(1), act_s,
+                         usable, cost.step_time(suffix, n_layers), cost.step_time(suffix, 1))
+
+
+def stage_balance(cells: list[float], n_layers: int, io_per_cell: float, act_s: float, usable: int,
+                  query_s: float, query_layer_s: float) -> float:
+    """The balance point (planner/bound.py) of one stage: ``cells`` = seconds per cell (one layer) of each chunk,
+    latest chunks loaded first, with the stage's inputs priced — every chunk that keeps a recomputed cell first
+    moves its activation (``act_s``) over the same link, and chunks from ``usable`` on have no inputs, so they are
+    loaded whole. The compute side runs the stage's query (``query_s``), the I/O side is followed by at least its
+    last layer (``query_layer_s``). The cost model's T* and the benchmark's measured bound both come from here."""
+    n = len(cells)
+    ordered = [c for c in reversed(cells) for _ in range(n_layers)]
 
     def activations(k: int) -> float:   # k cells loaded: chunks below the one cell k belongs to keep inputs
-        return 0.0 if k >= len(cells) else (num_chunks - k // n_layers) * act_s
+        return 0.0 if k >= len(ordered) else (n - k // n_layers) * act_s
 
-    return balance_point(cells, io.cells_time(1), cost.step_time(suffix, n_layers), cost.step_time(suffix, 1),
-                         activations, min_loaded=max(0, num_chunks - usable) * n_layers)
+    return balance_point(ordered, io_per_cell, query_s, query_layer_s, activations,
+                         min_loaded=max(0, n - usable) * n_layers)

@@ -48,6 +48,12 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
     for r, _ in compute_order:
         left[r] += 1
     busy_c, busy_io, c_end, loaded_at, ttft = [0.0] * n, [0.0] * n, [j.start_s for j in jobs], [0.0] * n, [0.0] * n
+    fetched = [(0, 0.0)] * n                       # activations fetched ahead: (chunks, when they are in)
+    following: list[int | None] = [None] * len(compute_order)   # the next compute item of the same request
+    last: dict[int, int] = {}
+    for k in reversed(range(len(compute_order))):
+        following[k] = last.get(compute_order[k][0])
+        last[compute_order[k][0]] = k
     tc, tio, ci, ii = min((j.start_s for j in jobs), default=0.0), 0.0, 0, 0
     waiting = list(query_order)
 
@@ -72,11 +78,22 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
             a, b = max(step.tokens[0], lo[r] * C), min(step.tokens[1], hi[r] * C, limit[r] * C)
             if b > a and a // C == lo[r]:
                 tc = max(tc, job.start_s)
-                if job.act_s:                      # the step's activations cross the link first
-                    tio += (b - a) // C * job.act_s
-                    busy_io[r] += (b - a) // C * job.act_s
-                    if lo[r] == 0:
-                        tc = max(tc, tio)          # the first step waits for its own; later ones are prefetched
+                if job.act_s:   # the step's activations cross the link first: fetched while the previous step ran
+                    have, ready = fetched[r]
+                    if (b - a) // C > have:
+                        tio = max(tio, tc) + ((b - a) // C - have) * job.act_s
+                        busy_io[r] += ((b - a) // C - have) * job.act_s
+                        ready = tio
+                    tc = max(tc, ready)
+                    nxt = following[ci - 1]
+                    if nxt is not None:     # ... and the next step's are fetched now, while this one computes
+                        na, nb = compute_order[nxt][1].tokens
+                        k = max(0, (min(nb, hi[r] * C, limit[r] * C) - max(na, b)) // C)
+                        tio = max(tio, tc) + k * job.act_s
+                        busy_io[r] += k * job.act_s
+                        fetched[r] = (k, tio)
+                    else:
+                        fetched[r] = (0, 0.0)
                 dt = cost.step_time((a, b), step.layers[1] - step.layers[0])
                 tc, busy_c[r], lo[r], c_end[r] = tc + dt, busy_c[r] + dt, b // C, tc + dt
             tc = serve(tc, False)
