@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from kvflow.cli.main import app
+from kvflow.cli.main import app, bench_app
 from kvflow.errors import KVFlowError
 
 
@@ -42,3 +42,93 @@ def serve(model: str = typer.Option("tiny", "--model", help="preset name or loca
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run(model, str(config) if config else None, host=host, port=port, api_key=api_key, seed=seed,
         log_level=log_level)
+
+
+@bench_app.command("decode")
+def bench_decode(model: str = typer.Option("tiny", help="preset or checkpoint directory"),
+                 sequences: int = typer.Option(8, help="sequences decoded together"),
+                 prompt_len: int = typer.Option(32), max_tokens: int = typer.Option(64),
+                 out: Optional[Path] = typer.Option(None, help="output folder (default runs/decode-TIME)"),
+                 as_json: bool = typer.Option(False, "--json")) -> None:
+    """Batched decode: N sequences in one engine vs the same N one at a time (tokens/s ratio)."""
+    from kvflow import load_model
+    from kvflow.bench.common import out_dir, report
+    from kvflow.bench.serve_bench import batched_decode
+
+    if min(sequences, prompt_len, max_tokens) < 2:
+        raise KVFlowError("--sequences, --prompt-len and --max-tokens must be >= 2")
+    folder = out_dir("decode", out)
+    res = batched_decode(load_model(model), sequences, prompt_len, max_tokens)
+    row = {k: res[k] for k in ("model", "sequences", "together_decode_tok_s", "one_at_a_time_decode_tok_s",
+                               "decode_speedup", "end_to_end_speedup", "same_tokens")}
+    report(res, folder, [("batched decode", [row])], as_json, f"results in {folder}")
+
+
+@bench_app.command("serve")
+def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatible server (…/v1); default: "
+                                                  "start kvflow in-process for each --configs entry"),
+                served_model: Optional[str] = typer.Option(None, help="model name at --url"),
+                model: str = typer.Option("tiny", help="in-process: preset or checkpoint directory"),
+                configs: str = typer.Option("resident,recompute,cacheflow",
+                                            help="in-process configurations: resident (no pool) or a strategy "
+                                                 "restoring pool hits"),
+                kv_share: float = typer.Option(0.25, help="resident KV budget as a share of the working set"),
+                users: int = typer.Option(8), rounds: int = typer.Option(4), rate: float = typer.Option(2.0),
+                system_tokens: int = typer.Option(256), user_tokens: int = typer.Option(64),
+                answer_tokens: int = typer.Option(16), think: float = typer.Option(0.5, help="mean think time s"),
+                block_size: int = typer.Option(16), chunk_tokens: int = typer.Option(64),
+                max_batched: int = typer.Option(512, help="max_num_batched_tokens"),
+                seed: int = typer.Option(0),
+                out: Optional[Path] = typer.Option(None, help="output folder (default runs/serve-TIME)"),
+                as_json: bool = typer.Option(False, "--json")) -> None:
+    """Multi-round chat load (N users, Poisson arrivals, seeded): TTFT P50/P90/P99, ITL, throughput, hit split."""
+    import asyncio
+
+    from kvflow.bench.common import out_dir, report, save_figure
+    from kvflow.bench.serve_bench import (ChatWorkload, LocalServer, draw_cdf, kvflow_engine, records_json,
+                                          longest_history_tokens, result_row, run_chat, summarize,
+                                          working_set_tokens)
+
+    w = ChatWorkload(users, rounds, rate, system_tokens, user_tokens, answer_tokens, think, seed)
+    w.validate()
+    folder = out_dir("serve", out)
+    runs, rows, results = {}, [], {"workload": {**{k: getattr(w, k) for k in w.__slots__}}, "runs": {}}
+    if url is not None:
+        if not served_model:
+            raise KVFlowError("--url needs --served-model (the model name that server serves)")
+        records, wall = asyncio.run(run_chat(url, served_model, w))
+        summary = summarize(records, wall)
+        runs[url] = records
+        rows.append(result_row(url, summary, None))
+        results["runs"][url] = {"summary": summary, "turns": records_json(records)}
+    else:
+        from kvflow import load_model
+        from kvflow.cli.restore_cmds import ensure_cost
+
+        names = [c.strip() for c in configs.split(",") if c.strip()]
+        from kvflow.planner import STRATEGIES
+        bad = [c for c in names if c != "resident" and c not in STRATEGIES]
+        if not names or bad:
+            raise KVFlowError(f"bad --configs entry {bad[0] if bad else configs!r}: resident or a strategy "
+                              f"({', '.join(STRATEGIES)})")
+        if not 0 < kv_share <= 4:
+            raise KVFlowError("--kv-share must be in (0, 4]")
+        runner = load_model(model)
+        cost = ensure_cost(runner, 8192) if any(c != "resident" for c in names) else None
+        ws = working_set_tokens(w)
+        kv_tokens = max(int(ws * kv_share), longest_history_tokens(w) + answer_tokens + block_size)
+        kv_budget = kv_tokens * runner.kv_bytes_per_token()
+        results.update(model=model, working_set_tokens=ws, kv_budget_tokens=kv_tokens)
+        for name in names:
+            engine = kvflow_engine(runner, None if name == "resident" else name, kv_budget, block_size,
+                                   4 * ws * runner.kv_bytes_per_token() + (64 << 20), chunk_tokens, max_batched,
+                                   cost)
+            with LocalServer(engine, model) as server:
+                records, wall = asyncio.run(run_chat(server.url, model, w))
+            split = server.hit_split()
+            summary = summarize(records, wall)
+            runs[name] = records
+            rows.append(result_row(name, summary, split))
+            results["runs"][name] = {"summary": summary, "hit_split": split, "turns": records_json(records)}
+    save_figure(folder / "ttft_cdf.png", draw_cdf(runs))
+    report(results, folder, [("multi-round chat", rows)], as_json, f"results in {folder} (results.json, ttft_cdf.png)")

@@ -1,0 +1,302 @@
+"""Serving benchmarks: ``kvflow bench serve`` (a load generator for any OpenAI-compatible server) and
+``kvflow bench decode`` (batched decode vs one sequence at a time, same engine).
+
+Multi-round chat workload (the shape of vLLM's benchmarks/multi_turn: Poisson arrivals of conversations, think
+time between turns, history resent every turn; the parameters are ours, scaled to a 2-core CPU):
+
+    users            arrive as a Poisson process of rate ``rate`` users/s (exponential gaps), seeded
+    system prompt    ``system_tokens`` characters, one per user (no cross-user sharing)
+    each turn        a user message of ~LogNormal(ln user_tokens, 0.5) characters (clipped to [8, 4 x mean]),
+                     answered with ``answer_tokens`` tokens (max_tokens, temperature 0, ignore_eos)
+    think time       ~Exponential(mean think_s) between an answer and the next turn
+    rounds           ``rounds`` turns per user; the whole history is the next prompt (prefix reuse)
+
+With the byte-level tokenizer of the random-weight presets one character is one token, so these are token counts.
+Per run: TTFT P50/P90/P99 and mean, inter-token latency P50/P99, output tokens/s, and the prompt-token hit split
+(resident / pool / miss) read from the server's /metrics (kvflow) or cached_tokens from usage (any server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import string
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+# ------------------------------------------------------------------------------------ batched decode
+def batched_decode(runner, n: int = 8, prompt_len: int = 32, max_tokens: int = 64, block_size: int = 16,
+                   seed: int = 0) -> dict:
+    """Decode tokens/s of ``n`` sequences run together vs the same ``n`` one at a time (same engine config,
+    greedy, eos ignored); also checks both give the same tokens."""
+    import torch
+
+    from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, runner.config.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(n)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    cfg = EngineConfig(block_size=block_size, kv_budget=max(2 ** 20, n * (prompt_len + max_tokens + block_size)
+                                                           * runner.kv_bytes_per_token()))
+
+    def run(group: list[list[int]]) -> tuple[float, float, list[list[int]]]:
+        engine = LLMEngine(runner, cfg)
+        ids = [engine.add_request(p, params) for p in group]
+        tokens = {i: [] for i in ids}
+        t0 = time.perf_counter()
+        t_first = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.seq_id] += out.new_token_ids
+            if t_first is None and all(tokens[i] for i in ids):
+                t_first = time.perf_counter()
+        t1 = time.perf_counter()
+        return t1 - t0, t1 - t_first, [tokens[i] for i in ids]
+
+    run(prompts[:1])                                              # warm-up
+    together_s, together_decode_s, together = run(prompts)
+    alone = [run([p]) for p in prompts]
+    alone_s, alone_decode_s = sum(a[0] for a in alone), sum(a[1] for a in alone)
+    decode_tokens = n * (max_tokens - 1)
+    return {"model": runner.name, "sequences": n, "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "together_s": together_s, "one_at_a_time_s": alone_s,
+            "together_decode_tok_s": decode_tokens / together_decode_s,
+            "one_at_a_time_decode_tok_s": decode_tokens / alone_decode_s,
+            "decode_speedup": alone_decode_s / together_decode_s,
+            "end_to_end_speedup": alone_s / together_s,
+            "same_tokens": together == [a[2][0] for a in alone]}
+
+
+# ----------------------------------------------------------------------------------------- workload
+@dataclass(slots=True)
+class ChatWorkload:
+    users: int = 8
+    rounds: int = 4
+    rate: float = 2.0               # users arriving per second (Poisson)
+    system_tokens: int = 256
+    user_tokens: int = 64
+    answer_tokens: int = 16
+    think_s: float = 0.5
+    seed: int = 0
+
+    def validate(self) -> None:
+        from kvflow.errors import KVFlowError
+        if min(self.users, self.rounds, self.system_tokens, self.user_tokens, self.answer_tokens) < 1:
+            raise KVFlowError("users, rounds, system/user/answer tokens must all be >= 1")
+        if self.rate <= 0 or self.think_s < 0:
+            raise KVFlowError("rate must be > 0 and think time >= 0")
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    user: int
+    round: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float = float("nan")
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: float = float("nan")
+    error: str | None = None
+
+
+def _text(rng: random.Random, n: int) -> str:
+    words, size = [], 0
+    while size < n:
+        w = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 8)))
+        words.append(w)
+        size += len(w) + 1
+    return " ".join(words)[:n]
+
+
+async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "unused") -> tuple[list, float]:
+    """Drive the workload against ``base_url`` (…/v1); returns per-turn records and the wall time."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    rng = random.Random(w.seed)
+    arrivals, t = [], 0.0
+    for _ in range(w.users):
+        arrivals.append(t)
+        t += rng.expovariate(w.rate)
+    plans = []
+    for u in range(w.users):
+        r = random.Random(w.seed * 1000 + u)
+        turns = [_text(r, int(min(max(r.lognormvariate(np.log(w.user_tokens), 0.5), 8), 4 * w.user_tokens)))
+                 for _ in range(w.rounds)]
+        thinks = [r.expovariate(1 / w.think_s) if w.think_s > 0 else 0.0 for _ in range(w.rounds)]
+        plans.append((_text(r, w.system_tokens), turns, thinks))
+    records: list[TurnRecord] = []
+
+    async def user(u: int):
+        await asyncio.sleep(arrivals[u])
+        system, turns, thinks = plans[u]
+        messages = [{"role": "system", "content": system}]
+        for k, (msg, think) in enumerate(zip(turns, thinks)):
+            messages.append({"role": "user", "content": msg})
+            rec = TurnRecord(u, k)
+            records.append(rec)
+            t0 = time.perf_counter()
+            last, answer = None, []
+            try:
+                stream = await client.chat.completions.create(
+                    model=model, messages=messages, max_tokens=w.answer_tokens, temperature=0, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                async for chunk in stream:
+                    if chunk.usage is not None:
+                        rec.prompt_tokens = chunk.usage.prompt_tokens
+                        rec.output_tokens = chunk.usage.completion_tokens
+                        details = chunk.usage.prompt_tokens_details
+                        rec.cached_tokens = (details.cached_tokens or 0) if details else 0
+                    if not chunk.choices:
+                        continue
+                    delta = chunk.choices[0].delta
+                    got = bool(delta.content) or bool((chunk.choices[0].model_extra or {}).get("token_ids"))
+                    if got:
+                        now = time.perf_counter()
+                        if last is None:
+                            rec.ttft_s = now - t0
+                        else:
+                            rec.itl_s.append(now - last)
+                        last = now
+                        answer.append(delta.content or "")
+            except Exception as err:            # counted, the run goes on
+                rec.error = f"{type(err).__name__}: {err}"
+                return
+            rec.e2e_s = time.perf_counter() - t0
+            messages.append({"role": "assistant", "content": "".join(answer)})
+            await asyncio.sleep(think)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[user(u) for u in range(w.users)])
+    wall = time.perf_counter() - t0
+    await client.close()
+    return records, wall
+
+
+def summarize(records: list[TurnRecord], wall_s: float) -> dict:
+    ok = [r for r in records if r.error is None]
+    ttft = np.array([r.ttft_s for r in ok if r.ttft_s == r.ttft_s]) if ok else np.array([])
+    itl = np.array([x for r in ok for x in r.itl_s])
+
+    def pct(a, q):
+        return float(np.percentile(a, q)) if a.size else float("nan")
+    prompt = sum(r.prompt_tokens for r in ok)
+    return {"requests": len(records), "errors": len(records) - len(ok),
+            "ttft_mean_s": float(ttft.mean()) if ttft.size else float("nan"),
+            "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
+            "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
+            "output_tok_s": sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else float("nan"),
+            "prompt_tokens": prompt, "cached_share": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+            "wall_s": wall_s}
+
+
+# ----------------------------------------------------------------------------- in-process kvflow server
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """A kvflow server on 127.0.0.1 in a thread of this process (uvicorn), for one benchmark configuration."""
+
+    def __init__(self, engine, model: str):
+        import uvicorn
+
+        from kvflow.server import build_app
+
+        self.engine, self.model = engine, model
+        self.port = _free_port()
+        app = build_app(engine, model, engine.tokenizer)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self) -> LocalServer:
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the benchmark server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=120)
+
+    def hit_split(self) -> dict:
+        st = self.engine.stats
+        total = st.resident_hit_tokens + st.pool_hit_tokens + st.miss_tokens
+        return {"resident": st.resident_hit_tokens / total if total else 0.0,
+                "pool": st.pool_hit_tokens / total if total else 0.0,
+                "miss": st.miss_tokens / total if total else 0.0,
+                "preemptions": st.preemptions,
+                "strategy_mix": dict(self.engine.pool.loaded_tokens) if self.engine.pool else {}}
+
+
+def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int, pool_bytes: int, chunk_tokens: int,
+                  max_num_batched_tokens: int, cost=None):
+    """An engine over ``runner`` with a fresh in-memory pool (``strategy`` None: no pool tier)."""
+    from kvflow import KVPool, Restorer
+    from kvflow.engine import EngineConfig, LLMEngine
+    from kvflow.engine.tokenizer import ByteTokenizer
+
+    restorer = None
+    if strategy is not None:
+        restorer = Restorer(runner, KVPool.memory(pool_bytes, chunk_tokens=chunk_tokens), cost=cost)
+    cfg = EngineConfig(block_size=block_size, kv_budget=kv_budget, strategy=strategy or "cacheflow",
+                       max_num_batched_tokens=max_num_batched_tokens)
+    return LLMEngine(runner, cfg, restorer=restorer, tokenizer=ByteTokenizer(runner.config.vocab_size))
+
+
+def working_set_tokens(w: ChatWorkload) -> int:
+    """Tokens of every user's full history at its last turn."""
+    return w.users * (w.system_tokens + w.rounds * (w.user_tokens + w.answer_tokens) + 64)
+
+
+def longest_history_tokens(w: ChatWorkload) -> int:
+    """An upper bound on one conversation's last prompt (user turns clipped at 4x their mean, chat tags included):
+    the resident budget must hold at least this, or the request could never run."""
+    return w.system_tokens + w.rounds * (4 * w.user_tokens + w.answer_tokens + 64) + 64
+
+
+def result_row(name: str, summary: dict, split: dict | None) -> dict:
+    row = {"config": name, "req": summary["requests"], "err": summary["errors"],
+           "ttft_p50_ms": summary["ttft_p50_s"] * 1e3, "ttft_p90_ms": summary["ttft_p90_s"] * 1e3,
+           "ttft_p99_ms": summary["ttft_p99_s"] * 1e3, "ttft_mean_ms": summary["ttft_mean_s"] * 1e3,
+           "itl_p50_ms": summary["itl_p50_s"] * 1e3, "out_tok_s": summary["output_tok_s"]}
+    if split:
+        row.update(resident=split["resident"], pool=split["pool"], miss=split["miss"])
+    else:
+        row.update(cached=summary["cached_share"])
+    return row
+
+
+def draw_cdf(runs: dict[str, list[TurnRecord]]):
+    def draw(axes):
+        ax = axes[0]
+        for name, records in runs.items():
+            t = np.sort([r.ttft_s * 1e3 for r in records if r.error is None and r.ttft_s == r.ttft_s])
+            if t.size:
+                ax.step(t, np.arange(1, t.size + 1) / t.size, where="post", label=name)
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("share of requests")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax.set_title("multi-round chat: TTFT CDF")
+    return draw
+
+
+def records_json(records: list[TurnRecord]) -> list[dict]:
+    return [asdict(r) for r in records]

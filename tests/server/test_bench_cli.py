@@ -1,0 +1,37 @@
+"""`kvflow bench decode` and `kvflow bench serve` run end to end on tiny settings and write JSON + PNG; bad options
+are one error line and exit 2."""
+
+import json
+
+import pytest
+
+from kvflow.cli.main import main
+
+
+def test_bench_decode_reports_the_same_tokens_batched_and_alone(tmp_path, capsys):
+    assert main(["bench", "decode", "--sequences", "3", "--prompt-len", "4", "--max-tokens", "4",
+                 "--out", str(tmp_path), "--json"]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["same_tokens"] is True and res["sequences"] == 3 and res["decode_speedup"] > 0
+
+
+def test_bench_serve_drives_a_multi_round_chat_through_the_openai_client(tmp_path):
+    assert main(["bench", "serve", "--configs", "resident", "--users", "2", "--rounds", "2", "--rate", "50",
+                 "--system-tokens", "16", "--user-tokens", "8", "--answer-tokens", "3", "--think", "0",
+                 "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    run = res["runs"]["resident"]
+    assert run["summary"]["requests"] == 4 and run["summary"]["errors"] == 0
+    assert all(t["output_tokens"] == 3 for t in run["turns"])
+    assert run["hit_split"]["resident"] > 0                  # the second turn reuses the first turn's blocks
+    assert (tmp_path / "ttft_cdf.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args", [["bench", "serve", "--configs", "magic"], ["bench", "serve", "--users", "0"],
+                                  ["bench", "serve", "--url", "http://127.0.0.1:9/v1"],
+                                  ["bench", "decode", "--sequences", "1"],
+                                  ["serve", "--port", "70000"]])
+def test_bad_options_are_one_line_and_exit_2(args, capsys, tmp_path):
+    assert main(args + (["--out", str(tmp_path)] if args[0] == "bench" else [])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:")
