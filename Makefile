@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.kvflow-installed
 
-.PHONY: demo test setup clean bench-quick
+.PHONY: demo test setup clean bench-quick reliability
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The full reliability campaign (root for loop devices): 2,000 generated bad inputs, then >= 500 kill -9 trials,
+# >= 50 power cuts, the corruption matrix, two pools on one device, ENOSPC and EIO; figures in docs/RELIABILITY.md.
+reliability: $(STAMP)
+	KVFLOW_BAD_INPUT_CASES=2000 $(BIN)/python -m pytest -q tests/reliability/test_bad_input.py
+	$(BIN)/python -m tests.reliability.campaign --kills 500 --power-cuts 50 --corruption-repeats 3 \
+		--out docs/bench/reliability.json --check
 
 bench-quick: $(STAMP)
 	$(BIN)/kvflow bench pool --quick
