@@ -87,3 +87,21 @@ def test_eos_stops_a_request_as_generate_does(tiny):
     first = hf_greedy(tiny, prompt, 3)
     out = engine.generate([prompt], SamplingParams(max_tokens=8, stop_token_ids=[first[1]]))[0]
     assert out.token_ids == first[:2] and out.finish_reason == "stop"
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4), max_tokens=st.integers(1, 6),
+       block=st.integers(1, 17), budget=st.integers(1, 48), spare=st.integers(0, 12), shared=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_any_block_size_budget_and_block_count_gives_generates_tokens(tiny, lengths, max_tokens, block, budget,
+                                                                      spare, shared, seed):
+    base = ids(40, seed)
+    prompts = [base[:n] if shared else ids(n, seed + i) for i, n in enumerate(lengths)]
+    need = -(-(max(lengths) + max_tokens) // block)
+    engine = LLMEngine(tiny, EngineConfig(block_size=block, max_num_batched_tokens=budget, num_blocks=need + spare))
+    assert_greedy(tiny, engine, prompts, max_tokens)
+    assert engine.blocks.num_free == engine.num_blocks and not engine.has_unfinished()

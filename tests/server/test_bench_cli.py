@@ -10,7 +10,7 @@ from kvflow.cli.main import main
 
 def test_bench_decode_reports_the_same_tokens_batched_and_alone(tmp_path, capsys):
     assert main(["bench", "decode", "--sequences", "3", "--prompt-len", "4", "--max-tokens", "4",
-                 "--out", str(tmp_path), "--json"]) == 0
+                 "--repeats", "1", "--out", str(tmp_path), "--json"]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["same_tokens"] is True and res["sequences"] == 3 and res["decode_speedup"] > 0
 

@@ -48,6 +48,7 @@ def serve(model: str = typer.Option("tiny", "--model", help="preset name or loca
 def bench_decode(model: str = typer.Option("tiny", help="preset or checkpoint directory"),
                  sequences: int = typer.Option(8, help="sequences decoded together"),
                  prompt_len: int = typer.Option(32), max_tokens: int = typer.Option(64),
+                 repeats: int = typer.Option(3, help="interleaved rounds (the median is reported)"),
                  out: Optional[Path] = typer.Option(None, help="output folder (default runs/decode-TIME)"),
                  as_json: bool = typer.Option(False, "--json")) -> None:
     """Batched decode: N sequences in one engine vs the same N one at a time (tokens/s ratio)."""
@@ -55,10 +56,10 @@ def bench_decode(model: str = typer.Option("tiny", help="preset or checkpoint di
     from kvflow.bench.common import out_dir, report
     from kvflow.bench.serve_bench import batched_decode
 
-    if min(sequences, prompt_len, max_tokens) < 2:
-        raise KVFlowError("--sequences, --prompt-len and --max-tokens must be >= 2")
+    if min(sequences, prompt_len, max_tokens) < 2 or repeats < 1:
+        raise KVFlowError("--sequences, --prompt-len and --max-tokens must be >= 2, --repeats >= 1")
     folder = out_dir("decode", out)
-    res = batched_decode(load_model(model), sequences, prompt_len, max_tokens)
+    res = batched_decode(load_model(model), sequences, prompt_len, max_tokens, repeats=repeats)
     row = {k: res[k] for k in ("model", "sequences", "together_decode_tok_s", "one_at_a_time_decode_tok_s",
                                "decode_speedup", "end_to_end_speedup", "same_tokens")}
     report(res, folder, [("batched decode", [row])], as_json, f"results in {folder}")
