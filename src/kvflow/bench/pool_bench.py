@@ -1,11 +1,15 @@
 """`kvflow bench pool`: the unified KV pool against the ways peers store KV, every figure a ratio from one run.
 
-1. striping   — N throttled devices at 4:2:1:1: read bandwidth of bandwidth-aware striping, equal striping and
-                overflow order (one device at a time, fastest first, like LMCache's tiers) over the sum of the
-                devices' bandwidths measured one by one; also for the last quarter of the context only.
+1. striping   — N token-bucket-throttled memory devices at 4:2:1:1: read bandwidth of bandwidth-aware striping,
+                equal striping and overflow order (one device at a time, fastest first, like LMCache's tiers) over
+                the sum of the devices' bandwidths measured one by one; also for the last quarter of the context.
+                The caps come from the same weights the striper is given, so this is a check of the mechanism
+                (striping + parallel reads), not of the organizer — sections 4 and 5 are.
 2. passthrough — `extent` (O_DIRECT, one preallocated file) vs `files` (one file per record) on this machine's
                 real disk, page cache dropped before every read pass: throughput and CPU seconds per GiB.
 3. lookup     — `longest_prefix` of a whole context vs the time to load that context's records.
+4. loops      — N loop devices capped by the kernel (cgroup v1 blkio), unknown to kvflow (``pool_loop.py``).
+5. mixed      — host memory + an extent file on the real disk, both probed (``pool_loop.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Callable
 import torch
 
 from kvflow.bench.common import odirect_supported
+from kvflow.bench.pool_loop import LoopOptions, kernel_capped_loops, mixed
 from kvflow.chunks.keys import chunk_keys, layer_groups
 from kvflow.pool import KVPool
 
@@ -184,86 +189,220 @@ def _timed(fn) -> float:
 
 
 # -- the command ---------------------------------------------------------------------------------------------
+SECTIONS = ("striping", "passthrough", "lookup", "loops", "mixed")
+
+
 def run(quick: bool = False, disk_dir: str | None = None, record_kib: int = 256,
-        progress: Progress = lambda s: None) -> dict:
+        progress: Progress = lambda s: None, sections=SECTIONS, loops: LoopOptions | None = None,
+        command: str | None = None) -> dict:
     disk_dir = disk_dir or os.environ.get("KVFLOW_BENCH_DISK", "/var/tmp")
     repeats = 1 if quick else 3       # striping reads are long; the disk runs repeat more (noisier)
+    loops = loops or LoopOptions(data_bytes=(64 if quick else 256) * MiB, repeats=max(repeats, 2))
     t0 = time.perf_counter()
     results = {
-        "command": "kvflow bench pool" + (" --quick" if quick else ""),
+        "command": command or "kvflow bench pool" + (" --quick" if quick else ""),
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": sys.version.split()[0],
                     "torch": torch.__version__},
-        "striping": striping(total_bw=(384 if quick else 1024) * MiB, weights=(4, 2, 1, 1),
-                             data_bytes=(96 if quick else 512) * MiB, record_bytes=MiB, repeats=repeats,
-                             progress=progress),
-        "passthrough": passthrough(disk_dir, (128 if quick else 1024) * MiB, record_kib * 1024, repeats + 2,
-                                   progress),
-        "lookup": lookup((8192 if quick else 32768), 12 * 1024, 6, [None, 1.25e9], progress),
     }
+    if "striping" in sections:
+        results["striping"] = striping(total_bw=(384 if quick else 1024) * MiB, weights=(4, 2, 1, 1),
+                                       data_bytes=(96 if quick else 512) * MiB, record_bytes=MiB, repeats=repeats,
+                                       progress=progress)
+    if "passthrough" in sections:
+        results["passthrough"] = passthrough(disk_dir, (128 if quick else 1024) * MiB, record_kib * 1024,
+                                             repeats + 2, progress)
+    if "lookup" in sections:
+        results["lookup"] = lookup((8192 if quick else 32768), 12 * 1024, 6, [None, 1.25e9], progress)
+    if "loops" in sections:
+        results["loops"] = kernel_capped_loops(loops, disk_dir, progress)
+    if "mixed" in sections:
+        results["mixed"] = mixed(disk_dir, (64 if quick else 256) * MiB, MiB, max(repeats, 2), progress)
     results["elapsed_s"] = time.perf_counter() - t0
-    s, p = results["striping"]["placements"], results["passthrough"]
-    results["summary"] = {
-        "striped_over_sum": s["bandwidth"]["ratio_to_sum"],
-        "striped_suffix_over_sum": s["bandwidth"]["suffix_ratio_to_sum"],
-        "equal_over_sum": s["equal"]["ratio_to_sum"],
-        "overflow_over_sum": s["overflow"]["ratio_to_sum"],
-        "extent_over_files_bw": p["extent_over_files_bw"],
-        "extent_cpu_s_per_gib": p["extent"]["cpu_s_per_gib"],
-        "files_cpu_s_per_gib": p["files"]["cpu_s_per_gib"],
-        "fs_share_of_files_fetch": p["fs_share_of_files_fetch"],
-        "lookup_share_max": max(link["share"] for link in results["lookup"]["links"]),
-    }
+    results["summary"] = summary(results)
     return results
 
 
+def summary(results: dict) -> dict:
+    out = {}
+    if "striping" in results:
+        s = results["striping"]["placements"]
+        out |= {"striped_over_sum": s["bandwidth"]["ratio_to_sum"],
+                "striped_suffix_over_sum": s["bandwidth"]["suffix_ratio_to_sum"],
+                "equal_over_sum": s["equal"]["ratio_to_sum"], "overflow_over_sum": s["overflow"]["ratio_to_sum"]}
+    if "passthrough" in results:
+        p = results["passthrough"]
+        out |= {"extent_over_files_bw": p["extent_over_files_bw"], "extent_cpu_s_per_gib": p["extent"]["cpu_s_per_gib"],
+                "files_cpu_s_per_gib": p["files"]["cpu_s_per_gib"],
+                "fs_share_of_files_fetch": p["fs_share_of_files_fetch"]}
+    if "lookup" in results:
+        out["lookup_share_max"] = max(link["share"] for link in results["lookup"]["links"])
+    if "loops" in results:
+        lp = results["loops"]
+        if "skipped" in lp:
+            out["loops"] = lp["skipped"]
+        else:
+            out |= {"loops_striped_over_sum_alone": lp["placements"]["bandwidth"]["ratio_to_sum"],
+                    "loops_equal_over_sum_alone": lp["placements"]["equal"]["ratio_to_sum"],
+                    "loops_overflow_over_sum_alone": lp["placements"]["overflow"]["ratio_to_sum"],
+                    "loops_max_probed_ratio_error": lp["max_ratio_error"]}
+    if "mixed" in results:
+        out["mixed_striped_over_sum_alone"] = results["mixed"]["ratio_to_sum"]
+    return out
+
+
 def tables(results: dict) -> list[tuple[str, list[dict]]]:
-    s, p, lk = results["striping"], results["passthrough"], results["lookup"]
+    out = []
+    if "striping" in results:
+        out += _striping_table(results["striping"])
+    if "passthrough" in results:
+        out += _passthrough_table(results["passthrough"])
+    if "lookup" in results:
+        out += _lookup_table(results["lookup"])
+    if "loops" in results:
+        out += _loops_tables(results["loops"])
+    if "mixed" in results:
+        out += _mixed_table(results["mixed"])
+    return out
+
+
+def _striping_table(s: dict) -> list:
     mb = lambda b: b / MiB
     rows1 = [{"placement": "sum of devices alone", "read MiB/s": mb(s["sum_individual"]), "/ sum": 1.0,
               "suffix MiB/s": None, "suffix / sum": None, "records per device": None}]
     rows1 += [{"placement": name, "read MiB/s": mb(r["read_bw"]), "/ sum": r["ratio_to_sum"],
                "suffix MiB/s": mb(r["suffix_bw"]), "suffix / sum": r["suffix_ratio_to_sum"],
                "records per device": " ".join(f"{x:.2f}" for x in r["share"])} for name, r in s["placements"].items()]
+    caps = " ".join(f"{mb(c):.0f}" for c in s["device_caps"])
+    return [(f"1. striping (token-bucket check): {mb(s['bytes']):.0f} MiB over 4 memory devices capped at {caps} "
+             f"MiB/s", rows1)]
+
+
+def _passthrough_table(p: dict) -> list:
+    mb = lambda b: b / MiB
     rows2 = [{"device": name, "read MiB/s": mb(p[name]["read_bw"]), "CPU s/GiB": p[name]["cpu_s_per_gib"],
               "vs files (bw)": p[name]["read_bw"] / p["files"]["read_bw"],
               "vs files (CPU)": p[name]["cpu_s_per_gib"] / p["files"]["cpu_s_per_gib"]} for name in ("extent", "files")]
+    return [(f"2. passthrough vs files: {mb(p['bytes']):.0f} MiB in {p['record_bytes'] // 1024} KiB records on "
+             f"{p['disk_dir']} (O_DIRECT {p['o_direct']}, page cache: {p['page_cache']}; files spent "
+             f"{p['files']['fs_meta_share']:.0%} of its I/O time in open/close/fadvise)", rows2)]
+
+
+def _lookup_table(lk: dict) -> list:
     rows3 = [{"link": "memory speed" if l["link_bw"] is None else f"{l['link_bw'] * 8 / 1e9:.0f} Gbps",
               "load ms": l["load_s"] * 1e3, "lookup ms": l["lookup_s"] * 1e3, "lookup / load": l["share"]}
              for l in lk["links"]]
-    caps = " ".join(f"{mb(c):.0f}" for c in s["device_caps"])
-    return [(f"1. striping: {mb(s['bytes']):.0f} MiB over 4 devices capped at {caps} MiB/s", rows1),
-            (f"2. passthrough vs files: {mb(p['bytes']):.0f} MiB in {p['record_bytes'] // 1024} KiB records on "
-             f"{p['disk_dir']} (O_DIRECT {p['o_direct']}, page cache: {p['page_cache']}; files spent "
-             f"{p['files']['fs_meta_share']:.0%} of its I/O time in open/close/fadvise)", rows2),
-            (f"3. lookup of a {lk['tokens']}-token context ({lk['records']} records) vs loading it", rows3)]
+    return [(f"3. lookup of a {lk['tokens']}-token context ({lk['records']} records) vs loading it", rows3)]
+
+
+def _loops_tables(lp: dict) -> list:
+    mb = lambda b: b / MiB
+    if "skipped" in lp:
+        return [(f"4. {lp['skipped']}", [])]
+    rows_dev = [{"device": path, "cap MiB/s": mb(d["cap"]), "probed MiB/s": mb(d["probed"]),
+                 "alone O_DIRECT MiB/s": mb(d["raw_alone"]), "cap share": d["cap_share"], "p (probed)": d["p"],
+                 "p / cap share": d["p_over_cap_share"]} for path, d in zip(lp["loop_devices"], lp["devices"])]
+    rows = [{"placement": "sum of devices alone (O_DIRECT)", "read MiB/s": mb(lp["sum_raw_alone"]), "/ sum": 1.0,
+             "/ sum alone via pool": lp["sum_raw_alone"] / lp["sum_pool_alone"], "records per device": None}]
+    rows += [{"placement": name, "read MiB/s": mb(r["read_bw"]), "/ sum": r["ratio_to_sum"],
+              "/ sum alone via pool": r["ratio_to_pool_alone_sum"],
+              "records per device": " ".join(f"{x:.2f}" for x in r["share"])} for name, r in lp["placements"].items()]
+    caps = ":".join(f"{c:g}" for c in lp["options"]["caps"])
+    return [(f"4a. kernel-capped loop devices ({caps} x {mb(lp['options']['base']):.0f} MiB/s, cgroup v1 blkio; "
+             f"kvflow probed them)", rows_dev),
+            (f"4b. striping {mb(lp['bytes']):.0f} MiB over them (each placement on fresh devices, same caps)", rows)]
+
+
+def _mixed_table(m: dict) -> list:
+    mb = lambda b: b / MiB
+    rows = [{"device": name, "probed MiB/s": mb(b), "alone MiB/s": mb(a), "records": sh}
+            for name, b, a, sh in zip(("memory", "extent (disk)"), m["probed_read_bw"], m["pool_alone_bw"],
+                                      m["share"])]
+    rows.append({"device": "striped (both)", "probed MiB/s": None, "alone MiB/s": mb(m["read_bw"]),
+                 "records": m["ratio_to_sum"]})
+    return [(f"5. mixed pool: memory + extent file on {m['disk_dir']}, {mb(m['bytes']):.0f} MiB; last row: striped "
+             f"read and its ratio to the sum alone", rows)]
 
 
 def figure(results: dict, path) -> None:
+    """One panel per section that ran (loops: two — probed vs cap, and the placements over the sum alone)."""
     from kvflow.bench.common import save_figure
-    s, p, lk = results["striping"], results["passthrough"], results["lookup"]
+    panels = []
+    if "striping" in results:
+        panels.append(_draw_striping)
+    if "passthrough" in results:
+        panels.append(_draw_passthrough)
+    if "lookup" in results:
+        panels.append(_draw_lookup)
+    if "loops" in results and "skipped" not in results["loops"]:
+        panels += [_draw_loop_probe, _draw_loop_placements]
+    if "mixed" in results:
+        panels.append(_draw_mixed)
+    if not panels:
+        return
 
     def draw(axes):
-        ax = axes[0]
-        names = ["sum alone", *s["placements"]]
-        vals = [s["sum_individual"], *(r["read_bw"] for r in s["placements"].values())]
-        ax.bar(names, [v / MiB for v in vals], color=["grey", "tab:green", "tab:orange", "tab:red"])
-        for i, v in enumerate(vals):
-            ax.text(i, v / MiB, f"{v / s['sum_individual']:.2f}", ha="center", va="bottom")
-        ax.set_ylabel("read MiB/s")
-        ax.set_title("4 throttled devices (4:2:1:1)")
-        ax = axes[1]
-        ax.bar(["extent", "files"], [p["extent"]["read_bw"] / MiB, p["files"]["read_bw"] / MiB],
-               color=["tab:green", "tab:red"])
-        for i, name in enumerate(("extent", "files")):
-            ax.text(i, p[name]["read_bw"] / MiB, f"{p[name]['cpu_s_per_gib']:.2f} CPU s/GiB", ha="center",
-                    va="bottom")
-        ax.set_ylabel("read MiB/s (page cache dropped)")
-        ax.set_title("passthrough vs one file per record")
-        ax = axes[2]
-        labels = ["memory" if l["link_bw"] is None else f"{l['link_bw'] * 8 / 1e9:.0f} Gbps" for l in lk["links"]]
-        ax.bar(labels, [100 * l["share"] for l in lk["links"]], color="tab:blue")
-        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
-        ax.set_ylabel("lookup time, % of load time")
-        ax.set_title(f"prefix lookup, {lk['tokens']} tokens")
+        for ax, fn in zip(axes, panels):
+            fn(ax, results)
+            ax.margins(y=0.12)
 
-    save_figure(path, lambda axes: (draw(axes), [ax.margins(y=0.12) for ax in axes]), panels=3)
+    save_figure(path, draw, panels=len(panels))
+
+
+def _bars_over_sum(ax, total: float, named: dict[str, float], title: str, ylabel: str = "read MiB/s") -> None:
+    names, vals = ["sum alone", *named], [total, *named.values()]
+    ax.bar(names, [v / MiB for v in vals], color=["grey", "tab:green", "tab:orange", "tab:red"][:len(vals)])
+    for i, v in enumerate(vals):
+        ax.text(i, v / MiB, f"{v / total:.2f}", ha="center", va="bottom")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+
+
+def _draw_striping(ax, results) -> None:
+    s = results["striping"]
+    _bars_over_sum(ax, s["sum_individual"], {n: r["read_bw"] for n, r in s["placements"].items()},
+                   "token-bucket devices (4:2:1:1)")
+
+
+def _draw_passthrough(ax, results) -> None:
+    p = results["passthrough"]
+    ax.bar(["extent", "files"], [p["extent"]["read_bw"] / MiB, p["files"]["read_bw"] / MiB],
+           color=["tab:green", "tab:red"])
+    for i, name in enumerate(("extent", "files")):
+        ax.text(i, p[name]["read_bw"] / MiB, f"{p[name]['cpu_s_per_gib']:.2f} CPU s/GiB", ha="center", va="bottom")
+    ax.set_ylabel("read MiB/s (page cache dropped)")
+    ax.set_title("passthrough vs one file per record")
+
+
+def _draw_lookup(ax, results) -> None:
+    lk = results["lookup"]
+    labels = ["memory" if l["link_bw"] is None else f"{l['link_bw'] * 8 / 1e9:.0f} Gbps" for l in lk["links"]]
+    ax.bar(labels, [100 * l["share"] for l in lk["links"]], color="tab:blue")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.set_ylabel("lookup time, % of load time")
+    ax.set_title(f"prefix lookup, {lk['tokens']} tokens")
+
+
+def _draw_loop_probe(ax, results) -> None:
+    lp = results["loops"]
+    xs = range(len(lp["devices"]))
+    ax.bar([x - 0.2 for x in xs], [d["cap"] / MiB for d in lp["devices"]], width=0.4, color="grey", label="cap")
+    ax.bar([x + 0.2 for x in xs], [d["probed"] / MiB for d in lp["devices"]], width=0.4, color="tab:green",
+           label="probed by kvflow")
+    for x, d in zip(xs, lp["devices"]):
+        ax.text(x + 0.2, d["probed"] / MiB, f"{d['p_over_cap_share']:.2f}", ha="center", va="bottom")
+    ax.set_xticks(list(xs), [os.path.basename(p) for p in lp["loop_devices"]])
+    ax.set_ylabel("MiB/s (label: p_i / cap share)")
+    ax.set_title("kernel-capped loops: probe vs cap")
+    ax.legend(fontsize=8)
+
+
+def _draw_loop_placements(ax, results) -> None:
+    lp = results["loops"]
+    caps = ":".join(f"{c:g}" for c in lp["options"]["caps"])
+    _bars_over_sum(ax, lp["sum_raw_alone"], {n: r["read_bw"] for n, r in lp["placements"].items()},
+                   f"kernel-capped loops ({caps}), / sum O_DIRECT alone")
+
+
+def _draw_mixed(ax, results) -> None:
+    m = results["mixed"]
+    _bars_over_sum(ax, m["sum_pool_alone"], {"striped": m["read_bw"]}, "memory + disk extent")

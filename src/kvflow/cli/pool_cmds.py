@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -107,16 +108,27 @@ def bench_pool(quick: bool = typer.Option(False, "--quick", help="small sizes, o
                out: Optional[Path] = typer.Option(None, help="output folder (default runs/pool-<timestamp>/)"),
                disk_dir: Optional[Path] = typer.Option(None, help="folder on the real disk for extent vs files "
                                                                   "(default $KVFLOW_BENCH_DISK or /var/tmp)"),
-               record_kib: int = typer.Option(256, help="record size for extent vs files")) -> None:
-    """Striping vs sum of devices vs equal/overflow; passthrough vs files on the real disk; lookup cost."""
+               record_kib: int = typer.Option(256, help="record size for extent vs files"),
+               only: Optional[str] = typer.Option(None, help="comma-separated sections to run: striping, "
+                                                             "passthrough, lookup, loops, mixed (default: all)"),
+               loop_caps: str = typer.Option("1,1,2,4", help="loops: relative kernel caps, one per loop device"),
+               loop_base: float = typer.Option(25.0, help="loops: MiB/s of cap 1 (read and write)"),
+               loop_data: Optional[int] = typer.Option(None, help="loops: MiB stored per placement "
+                                                                  "(default 256, --quick 64)")) -> None:
+    """Striping vs sum of devices vs equal/overflow (token-bucket check, and on kernel-capped loop devices kvflow
+    must probe); passthrough vs files on the real disk; lookup cost; a memory + disk pool."""
     from kvflow.bench import pool_bench
     from kvflow.bench.common import out_dir, report
+    from kvflow.bench.pool_loop import parse_options
     if disk_dir is not None and not disk_dir.is_dir():
         raise ConfigError(f"--disk-dir {disk_dir} is not a folder")
+    sections, loops = parse_options(only, loop_caps, loop_base, loop_data, quick)
     console = Console(stderr=True)
     folder = out_dir("pool", out)
     results = pool_bench.run(quick=quick, disk_dir=str(disk_dir) if disk_dir else None, record_kib=record_kib,
-                             progress=lambda s: console.log(s) if not as_json else None)
+                             progress=lambda s: console.log(s) if not as_json else None, sections=sections,
+                             loops=loops, command=" ".join(["kvflow", *sys.argv[1:]])
+                             if Path(sys.argv[0]).name == "kvflow" else None)
     pool_bench.figure(results, folder / "pool.png")
     report(results, folder, pool_bench.tables(results), as_json,
            f"results: {folder / 'results.json'}, figure: {folder / 'pool.png'}")

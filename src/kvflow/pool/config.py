@@ -82,6 +82,7 @@ class PoolConfig:
     high_watermark: float = 0.95     # a device above this fraction of capacity evicts LRU records ...
     low_watermark: float = 0.85      # ... down to this fraction
     probe_bytes: int = 64 << 20      # bytes moved per device by the bandwidth probe at creation / `kvflow pool probe`
+    probe_seconds: float = 0.0       # ... and read again until this long was spent reading (bursty caps, e.g. 1.0)
 
     def validate(self) -> None:
         check(len(self.devices) > 0, "pool.devices: at least one device is required")
@@ -100,6 +101,8 @@ class PoolConfig:
               "pool.low_watermark/high_watermark: need 0 < low < high <= 1")
         check(self.checkpoint_interval_s > 0, "pool.checkpoint_interval_s: must be positive")
         check(self.probe_bytes >= 1 << 20, "pool.probe_bytes: must be at least 1M")
+        check(math.isfinite(self.probe_seconds) and 0 <= self.probe_seconds <= 60,
+              "pool.probe_seconds: must be between 0 and 60")
         check(self.index_dir is not None or not any(d.persistent for d in self.devices),
               "pool.index_dir: required when a device has a path (its index must survive restarts)")
 

@@ -158,13 +158,14 @@ class KVPool:
         s = st.slots[dev]
         nbytes = min(nbytes or self.cfg.probe_bytes, s.alloc.free_bytes // 4)
         if s.cfg.type == "memory" and not s.cfg.persistent:
-            nbytes = min(nbytes, 16 << 20)
+            nbytes = min(nbytes, 64 << 20)
         with st.lock:
             offsets = [off for _ in range(nbytes // PROBE_CHUNK) if (off := s.alloc.alloc(PROBE_CHUNK)) is not None]
         if not offsets:
             return None
         try:
-            bw = probe(s.device.inner, offsets, s.io)
+            bw = probe(s.device.inner, offsets, s.io, read_passes=3 if s.cfg.type == "memory" else 1,
+                       min_read_s=self.cfg.probe_seconds)
         finally:
             with st.lock:
                 for off in offsets:
