@@ -120,3 +120,21 @@ def test_equal_devices_form_a_latin_square():
         rows.append(row)
     assert all(sorted(r) == [0, 0, 1, 1] for r in rows), rows        # each chunk's 4 layers: 2 and 2
     assert all(rows[i][j] != rows[i + 1][j] for i in range(5) for j in range(4)), rows   # each layer alternates
+
+
+def test_token_bucket_caps_from_the_weights_keep_every_device_busy_equally_long():
+    """The bench's token-bucket section by arithmetic: with caps split by p_i, each device's share of a striped
+    context takes it the same time to read (bytes_i / cap_i), so the striped read is the sum of the caps."""
+    weights = (4, 2, 1, 1)
+    cfg = {"devices": [{"type": "memory", "capacity": "16M", "bandwidth": int(w * 1e8)} for w in weights]}
+    keys = context_keys(96)
+    with KVPool.open(cfg) as pool:
+        pool.set_throttle(8e8)
+        pool.put_many({k: tensor_for(k, numel=16384) for k in keys})
+        caps = [d["throttle"] for d in pool.stats()["devices"]]
+        per_dev = [sum(n for _, dev, _, n, _ in pool.entries() if dev == i) for i in range(len(weights))]
+    assert caps == pytest.approx([w * 1e8 for w in weights])
+    busy = [b / c for b, c in zip(per_dev, caps)]
+    record = sum(per_dev) / len(keys)                            # every record has the same size
+    assert max(busy) - min(busy) <= record / min(caps)         # within one record of the slowest device
+    assert sum(per_dev) / max(busy) >= 0.9 * sum(caps)         # the striped read reaches the sum of the caps
