@@ -125,6 +125,16 @@ def batch_bound(probe: CellProbe, requests: list[tuple[int, QueryTimes]], link_b
                          min(q.io_after for _, q in requests))
 
 
+def batch_mean_bound(probe: CellProbe, requests: list[tuple[int, QueryTimes]], link_bytes_per_s: float,
+                     cell_bytes: int) -> float:
+    """No schedule's mean TTFT is below this: when the k-th request finishes, k requests' cells are filled and their
+    queries run, so it finishes no sooner than the bound of the k requests that are cheapest alone together (the
+    cheapest k by their own bounds). The mean of those over k = 1..N."""
+    alone = sorted(requests, key=lambda r: batch_bound(probe, [r], link_bytes_per_s, cell_bytes))
+    return sum(batch_bound(probe, alone[:k], link_bytes_per_s, cell_bytes)
+               for k in range(1, len(alone) + 1)) / len(alone)
+
+
 def recompute_rate(runner: ModelRunner, chunk_tokens: int, repeats: int = 5, layers: int | None = None) -> float:
     """KV bytes per second that recompute produces at short context, measured warm now: one chunk at position 0
     through ``layers`` layers (default all), median of ``repeats`` after one warm-up. The denominator of rho
