@@ -35,3 +35,17 @@ def test_bad_options_are_one_line_and_exit_2(args, capsys, tmp_path):
     assert main(args + (["--out", str(tmp_path)] if args[0] == "bench" else [])) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")
+
+
+def test_bench_serve_restores_from_a_throttled_pool_on_disk(tmp_path, monkeypatch, tiny):
+    from tests.engine.helpers import synthetic_cost
+    monkeypatch.setattr("kvflow.cli.restore_cmds.ensure_cost", lambda runner, n: synthetic_cost(runner))
+    assert main(["bench", "serve", "--configs", "cacheflow", "--users", "3", "--rounds", "2", "--rate", "50",
+                 "--system-tokens", "64", "--user-tokens", "8", "--answer-tokens", "2", "--think", "0",
+                 "--kv-share", "0.05", "--chunk-tokens", "16", "--pool-dir", str(tmp_path / "pool"),
+                 "--rho", "100", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["rho"] == 100 and res["pool"].startswith("extent")
+    run = res["runs"]["cacheflow"]
+    assert run["summary"]["errors"] == 0 and run["hit_split"]["pool"] > 0
+    assert (tmp_path / "pool" / "serve-cacheflow" / "kv.img").exists()

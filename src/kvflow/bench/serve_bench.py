@@ -250,16 +250,41 @@ class LocalServer:
                 "strategy_mix": dict(self.engine.pool.loaded_tokens) if self.engine.pool else {}}
 
 
+def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, name: str = "pool",
+               rho: float | None = None, cost=None):
+    """An empty pool: in memory, or one extent file (+ index) under ``pool_dir`` (anything there before is removed);
+    with ``rho`` throttled to rho x the cost model's short-context recompute rate (DESIGN.md §5)."""
+    import shutil
+    from pathlib import Path
+
+    from kvflow import KVPool
+    from kvflow.bench.common import odirect_supported
+
+    if pool_dir is None:
+        pool = KVPool.memory(pool_bytes, chunk_tokens=chunk_tokens)
+    else:
+        root = Path(pool_dir) / f"serve-{name}"
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        pool = KVPool.open({"devices": [{"type": "extent", "path": str(root / "kv.img"), "capacity": pool_bytes,
+                                         "direct": odirect_supported(root)}],
+                            "chunk_tokens": chunk_tokens, "index_dir": str(root / "index"), "durability": "relaxed"})
+    if rho is not None:
+        pool.set_throttle(rho * cost.short_context_rate(chunk_tokens))
+    return pool
+
+
 def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int, pool_bytes: int, chunk_tokens: int,
-                  max_num_batched_tokens: int, cost=None):
-    """An engine over ``runner`` with a fresh in-memory pool (``strategy`` None: no pool tier)."""
-    from kvflow import KVPool, Restorer
+                  max_num_batched_tokens: int, cost=None, pool_dir: str | None = None, rho: float | None = None):
+    """An engine over ``runner`` with a fresh pool (``strategy`` None: no pool tier)."""
+    from kvflow import Restorer
     from kvflow.engine import EngineConfig, LLMEngine
     from kvflow.engine.tokenizer import ByteTokenizer
 
     restorer = None
     if strategy is not None:
-        restorer = Restorer(runner, KVPool.memory(pool_bytes, chunk_tokens=chunk_tokens), cost=cost)
+        pool = fresh_pool(pool_bytes, chunk_tokens, pool_dir, strategy, rho, cost)
+        restorer = Restorer(runner, pool, cost=cost)
     cfg = EngineConfig(block_size=block_size, kv_budget=kv_budget, strategy=strategy or "cacheflow",
                        max_num_batched_tokens=max_num_batched_tokens)
     return LLMEngine(runner, cfg, restorer=restorer, tokenizer=ByteTokenizer(runner.config.vocab_size))

@@ -79,6 +79,9 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                 answer_tokens: int = typer.Option(16), think: float = typer.Option(0.5, help="mean think time s"),
                 block_size: int = typer.Option(16), chunk_tokens: int = typer.Option(64),
                 max_batched: int = typer.Option(512, help="max_num_batched_tokens"),
+                pool_dir: Optional[Path] = typer.Option(None, help="pool on disk: a fresh extent file per "
+                                                        "configuration under this folder (default: in memory)"),
+                rho: Optional[float] = typer.Option(None, help="throttle the pool to rho x the recompute rate"),
                 seed: int = typer.Option(0),
                 out: Optional[Path] = typer.Option(None, help="output folder (default runs/serve-TIME)"),
                 as_json: bool = typer.Option(False, "--json")) -> None:
@@ -114,16 +117,19 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                               f"({', '.join(STRATEGIES)})")
         if not 0 < kv_share <= 4:
             raise KVFlowError("--kv-share must be in (0, 4]")
+        if rho is not None and not 0 < rho <= 1000:
+            raise KVFlowError("--rho must be in (0, 1000]")
         runner = load_model(model)
         cost = ensure_cost(runner, 8192) if any(c != "resident" for c in names) else None
         ws = working_set_tokens(w)
         kv_tokens = max(int(ws * kv_share), longest_history_tokens(w) + answer_tokens + block_size)
         kv_budget = kv_tokens * runner.kv_bytes_per_token()
-        results.update(model=model, working_set_tokens=ws, kv_budget_tokens=kv_tokens)
+        results.update(model=model, working_set_tokens=ws, kv_budget_tokens=kv_tokens, rho=rho,
+                       pool="memory" if pool_dir is None else f"extent file under {pool_dir}")
         for name in names:
             engine = kvflow_engine(runner, None if name == "resident" else name, kv_budget, block_size,
                                    4 * ws * runner.kv_bytes_per_token() + (64 << 20), chunk_tokens, max_batched,
-                                   cost)
+                                   cost, None if pool_dir is None else str(pool_dir), rho)
             with LocalServer(engine, model) as server:
                 records, wall = asyncio.run(run_chat(server.url, model, w))
             split = server.hit_split()
