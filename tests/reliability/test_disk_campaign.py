@@ -10,7 +10,8 @@ from .campaign import (DAMAGES, can_mount, corruption_trials, eio_trials, enospc
 needs_mount = pytest.mark.skipif(can_mount() is not None, reason=f"{can_mount()}")
 # Damage that takes only the records whose own bytes were hit; the rest is issue 10's recovery work.
 HANDLED = {"payload-bitflip", "header-bitflip", "zeroed-page", "truncated-extent", "swapped-records",
-           "record-file-deleted", "memory-page-zeroed"}
+           "record-file-deleted", "memory-page-zeroed", "checkpoint-bitflip", "wal-bitflip", "manifest-garbage",
+           "index-deleted"}
 
 
 def test_corruption_never_serves_a_wrong_record_and_takes_only_what_was_damaged(tmp_path):

@@ -81,17 +81,25 @@ def probe(config: Optional[Path] = ConfigArg,
     from kvflow.config import _parse_size
     with _open(config) as pool:
         for i in range(len(pool.stats()["devices"])):
-            if pool.probe(i, _parse_size(size) if size else None) is None:
+            if pool.probe(i, _parse_size(size, "--size") if size else None) is None:
                 Console().print(f"device {i}: no free space to probe; kept its previous bandwidth")
         _show("pool probed", pool.stats())
 
 
 @pool_app.command("fsck")
 def fsck(config: Optional[Path] = ConfigArg,
-         dry_run: bool = typer.Option(False, "--dry-run", help="report only; open read-only, drop nothing")) -> None:
+         dry_run: bool = typer.Option(False, "--dry-run", help="report only; open read-only, drop nothing"),
+         rebuild: bool = typer.Option(False, "--rebuild", help="first rebuild the index from the records on the "
+                                                              "devices (a scan of every record header)")) -> None:
     """Read and verify every record (header, checksum, key, sequence); report bad ones and drop them.
     Exit status 1 when any were found."""
+    if rebuild and dry_run:
+        raise ConfigError("--rebuild writes a new index; it cannot be combined with --dry-run")
     with _open(config, readonly=dry_run) as pool:
+        if rebuild:
+            found = pool.rebuild()
+            Console().print(f"rebuilt the index from {found['devices']} devices: {found['found']} intact records "
+                            f"found, {found['bad']} damaged skipped; {found['records']} indexed")
         report = pool.fsck(repair=not dry_run)
     for bad in report["bad"]:
         Console().print(f"bad record {bad['key']} on {bad['device']} at {bad['offset']}: {bad['error']}")

@@ -6,8 +6,9 @@
     lock            flock held by the one writable opener (readers never lock)
 
 A WAL entry: op (PUT/DEL), device id, key digest, offset, length, seq, payload checksum, xxh32 of the first 56
-bytes. Recovery = checkpoint + replay of every wal.<gen >= wal_from> up to the first entry that does not verify
-(a torn tail). Ordering rules the pool keeps: a record's data is written before its PUT is appended; a key's DEL
+bytes. Recovery = checkpoint + replay of every wal.<gen >= wal_from>, each entry judged by its own checksum (a
+damaged one is skipped, the rest replayed; a torn tail is where a crash cut the last write). When anything was
+skipped or the checkpoint or manifest does not verify, recovery rebuilds from the devices' record headers. Ordering rules the pool keeps: a record's data is written before its PUT is appended; a key's DEL
 is appended before its extent can be handed out again; so any prefix of the log describes records that do not
 share extents. The allocator is then rebuilt from the recovered table, so index and allocator always agree.
 """
@@ -58,16 +59,38 @@ def unpack_entries(data: bytes) -> tuple[list[Op], int]:
     """Entries up to the first one that does not verify; returns them and the byte length of that valid prefix."""
     ops, pos = [], 0
     while pos + ENTRY_SIZE <= len(data):
-        body = data[pos:pos + _ENTRY.size]
-        (crc,) = _CRC.unpack_from(data, pos + _ENTRY.size)
-        if crc != xxhash.xxh32_intdigest(body):
-            break
-        op = Op(*_ENTRY.unpack(body))
-        if op.op not in (PUT, DEL):
+        op = _entry_at(data, pos)
+        if op is None:
             break
         ops.append(op)
         pos += ENTRY_SIZE
     return ops, pos
+
+
+def _entry_at(data: bytes, pos: int) -> Op | None:
+    body = data[pos:pos + _ENTRY.size]
+    (crc,) = _CRC.unpack_from(data, pos + _ENTRY.size)
+    if crc != xxhash.xxh32_intdigest(body):
+        return None
+    op = Op(*_ENTRY.unpack(body))
+    return op if op.op in (PUT, DEL) else None
+
+
+def unpack_log(data: bytes) -> tuple[list[Op], int, bool]:
+    """Every entry of a log that verifies, each judged by its own checksum: a damaged entry in the middle is
+    skipped, not taken as the end. Returns (entries, entries skipped, torn) — torn: the log ends inside an entry
+    or in entries that do not verify (a write cut short), which is normal after a crash and not counted as
+    skipped."""
+    ops, bad_run, skipped = [], 0, 0
+    for pos in range(0, len(data) - ENTRY_SIZE + 1, ENTRY_SIZE):
+        op = _entry_at(data, pos)
+        if op is None:
+            bad_run += 1
+            continue
+        skipped += bad_run
+        bad_run = 0
+        ops.append(op)
+    return ops, skipped, bool(bad_run) or len(data) % ENTRY_SIZE != 0
 
 
 def apply(rows: dict[bytes, Op], op: Op) -> None:
@@ -103,6 +126,13 @@ class Recovered:
     wal_bytes: int         # log bytes replayed on top of the checkpoint
     torn: bool             # the log ended in an entry that did not verify
     checkpoint_ok: bool
+    skipped: int = 0       # damaged entries inside the log, skipped one by one (their records may be on a device)
+    manifest_ok: bool = True
+
+    @property
+    def damaged(self) -> bool:
+        """Something the index said is gone: only a scan of the devices' record headers can bring it back."""
+        return self.skipped > 0 or not self.checkpoint_ok or not self.manifest_ok
 
 
 class Journal:
@@ -114,6 +144,8 @@ class Journal:
         self._lockfd = -1
         self.gen = 0
         self.wal_bytes = 0
+        self.manifest_ok = True
+        self.had_manifest = True
         if readonly:
             if not (self.root / "manifest.json").exists():
                 raise ConfigError(f"{self.root} holds no kvflow pool index (create the pool first: kvflow pool init)")
@@ -134,11 +166,21 @@ class Journal:
     def read_manifest(self) -> dict:
         path = self.root / "manifest.json"
         if not path.exists():
+            self.had_manifest = False
             return {"format": 1, "pool_id": uuid.uuid4().hex, "devices": []}
+        self.had_manifest = True
         try:
-            return json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise KVFlowError(f"{path} is corrupt; move the index folder away to start an empty pool") from None
+            manifest = json.loads(path.read_text())
+            if not isinstance(manifest, dict) or not isinstance(manifest.get("devices"), list) or not all(
+                    isinstance(d, dict) and isinstance(d.get("id"), int) and isinstance(d.get("name"), str)
+                    for d in manifest["devices"]):
+                raise ValueError("not a manifest")
+            return manifest
+        except (ValueError, UnicodeDecodeError):     # rebuilt: device ids anew, records from a scan
+            log.error("pool index %s: manifest.json is corrupt; rebuilding it (records come from a device scan)",
+                      self.root)
+            self.manifest_ok = False
+            return {"format": 1, "pool_id": uuid.uuid4().hex, "devices": []}
 
     def write_manifest(self, manifest: dict) -> None:
         assert not self.readonly
@@ -190,28 +232,32 @@ class Journal:
             log.error("pool index %s: checkpoint does not verify; recovering from the log alone", self.root)
             ckpt = ({}, gens[0] if gens else 0, 0)
         rows, wal_from, next_seq = ckpt
-        wal_bytes, torn = 0, False
+        wal_bytes, torn, skipped = 0, False, 0
         for gen in (g for g in gens if g >= wal_from):
             try:
                 data = self._wal_path(gen).read_bytes()
             except FileNotFoundError:
                 return None            # a writer compacted the log under us: start over
-            ops, used = unpack_entries(data)
+            ops, bad, cut = unpack_log(data)
             for op in ops:
                 apply(rows, op)
                 next_seq = max(next_seq, op.seq + 1)
-            wal_bytes += used
-            if used != len(data):
-                torn = True            # later entries (and generations) are not trusted
-                break
+            wal_bytes += len(ops) * ENTRY_SIZE
+            skipped += bad
+            if cut:
+                torn = True
+                if gen != gens[-1]:
+                    skipped += 1       # a sealed generation was fsynced whole: a cut inside one is damage
         self.gen = max([wal_from, *gens]) + 1   # the writer continues in a new generation after a checkpoint
-        return Recovered(rows, next_seq, wal_bytes, torn, checkpoint_ok)
+        return Recovered(rows, next_seq, wal_bytes, torn, checkpoint_ok, skipped, self.manifest_ok)
 
     # -- writing --------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Open a fresh log generation for appends (after recovery and a checkpoint)."""
+        """Open a fresh log generation for appends (after recovery and a checkpoint); its name is made durable
+        (the folder fsynced) before any entry in it can be acknowledged."""
         assert not self.readonly and self._fd < 0
         self._fd = os.open(self._wal_path(self.gen), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        _fsync_dir(self.root)
         self.wal_bytes = 0
 
     def append(self, ops: list[Op]) -> None:

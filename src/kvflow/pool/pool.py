@@ -383,6 +383,17 @@ class KVPool:
         ``repair`` on a writable pool, dropped. Also checks that no two rows share an extent."""
         return fsck(self._state, repair)
 
+    def rebuild(self) -> dict:
+        """Rebuild the index from the devices' own record headers (each record verified, newest sequence per key
+        wins) and checkpoint it — ``kvflow pool fsck --rebuild``. Returns {devices, found, bad, records}."""
+        st = self._state
+        if st.journal is None:
+            raise KVFlowError("this pool has no index_dir: its index is not kept, nothing to rebuild")
+        with st.lock:
+            report = recover(st, rebuild=True)
+        self.checkpoint()
+        return {"devices": report.devices, "found": report.found, "bad": report.bad, "records": len(st.table)}
+
     def refresh(self) -> None:
         """Read-only pools: reload the index from disk to see what the writer stored since open."""
         st = self._state

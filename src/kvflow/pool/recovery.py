@@ -1,34 +1,138 @@
-"""Recovery: the lookup table and every device's allocator rebuilt together from checkpoint + write-ahead log, so
-after any crash the index and the allocators agree and no two live rows share an extent.
+"""Recovery: the lookup table and every device's allocator rebuilt together, so after any crash the index and the
+allocators agree and no two live rows share an extent. Two sources, one result:
 
-    journal.recover() ── rows {digest: PUT op} ──> per device: drop rows the device cannot hold
-                                                  sort by offset, keep the newest of overlapping rows
-                                                  allocator = used extents of the kept rows
-                                               ──> table: kept rows in sequence order (LRU order = age)
+    journal.recover() ── rows {digest: PUT op} (checkpoint + every log entry that verifies)
+    scan(devices)     ── rows from the records themselves: every header on an ``align`` boundary (files: every
+                         record file), payload checksum verified; newest sequence per key wins
+                            │  the scan runs when the index cannot be trusted whole — a damaged checkpoint, log
+                            │  entry or manifest, a device the index does not know, ``fsck --rebuild`` — and
+                            │  replaces the index's rows of the devices it read
+                            ▼
+    per device: drop rows the device cannot hold, sort by offset, keep the newest of overlapping rows
+    allocator = used extents of the kept rows;  table = kept rows in sequence order (LRU order = age)
+
+Records are self-describing (key, sequence, ranges, checksum: ``chunks/record.py``), so the index is a cache of
+what the devices hold: losing it loses nothing but the time of a scan.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+import numpy as np
+
+from kvflow.chunks.record import HEADER_SIZE, MAGIC, decode, parse_header
+from kvflow.errors import RecordError
 from kvflow.pool.allocator import ExtentAllocator, round_up
 from kvflow.pool.index import Entry, LookupTable
-from kvflow.pool.journal import Op
+from kvflow.pool.journal import PUT, Op
 from kvflow.pool.state import PoolState
 
 log = logging.getLogger("kvflow.pool")
 
+SCAN_CHUNK = 8 << 20          # bytes read per step of a device scan
+_MAGIC = np.frombuffer(MAGIC, dtype=np.uint8)
 
-def recover(state: PoolState) -> None:
-    """Replace ``state.table``, the slots' allocators and ``state.next_seq`` by what the log says. Rows on devices
-    that are gone, new, truncated or too small are dropped; rows that would share an extent (never produced by a
-    correct writer) keep the newest. Counts both in ``state.counters``."""
-    rec = state.journal.recover()
+
+@dataclass(slots=True)
+class ScanReport:
+    devices: int = 0          # devices scanned
+    found: int = 0            # intact records found (newest per key)
+    bad: int = 0              # record headers whose record did not verify (damaged, torn or overwritten)
+    reason: str = ""
+
+
+def scan_device(device, ident: int) -> tuple[dict[bytes, Op], int]:
+    """Every intact record on ``device`` (header and payload checksums verified) as PUT rows {digest: newest}, and
+    how many candidates failed verification. Headers start on ``align`` boundaries; devices that keep one file per
+    record list them instead (``record_offsets``)."""
+    found: dict[bytes, Op] = {}
+    bad = 0
+
+    def take(offset: int, header) -> bool:
+        nonlocal bad
+        total = HEADER_SIZE + header.length
+        if offset + total > device.capacity:
+            bad += 1
+            return False
+        try:
+            decode(device.read(offset, total).numpy())
+        except (RecordError, OSError):
+            bad += 1
+            return False
+        cur = found.get(header.digest)
+        if cur is None or cur.seq < header.seq:
+            found[header.digest] = Op(PUT, ident, header.digest, offset, total, header.seq, header.checksum)
+        return True
+
+    listing = getattr(device, "record_offsets", None)
+    if listing is not None:
+        for offset in listing():
+            try:
+                header = parse_header(device.read(offset, HEADER_SIZE).numpy())
+            except (RecordError, OSError):
+                bad += 1
+                continue
+            take(offset, header)
+        return found, bad
+    align, end, skip_to = device.align, device.capacity, 0
+    for base in range(0, end, SCAN_CHUNK):
+        n = min(SCAN_CHUNK, end - base) // align * align
+        if n <= 0:
+            break
+        try:
+            rows = device.read(base, n).numpy().reshape(-1, align)
+        except (RecordError, OSError):
+            continue                       # an unreadable stretch: its records are gone, the rest are not
+        for r in np.flatnonzero((rows[:, :4] == _MAGIC).all(axis=1)):
+            offset = base + int(r) * align
+            if offset < skip_to:
+                continue                   # inside a record already taken
+            try:
+                header = parse_header(rows[r, :HEADER_SIZE].tobytes())
+            except RecordError:
+                bad += 1
+                continue
+            if take(offset, header):
+                skip_to = offset + round_up(HEADER_SIZE + header.length, align)
+    return found, bad
+
+
+def recover(state: PoolState, rebuild: bool = False) -> ScanReport:
+    """Replace ``state.table``, the slots' allocators and ``state.next_seq``. The journal's rows are used where they
+    can be trusted; devices are scanned (see the module doc) where they cannot, or all of them with ``rebuild``.
+    Rows on devices that are gone, new, truncated or too small are dropped; rows that would share an extent keep
+    the newest. Counts in ``state.counters``; returns what the scan did."""
+    journal = state.journal
+    rec = journal.recover()
+    known = {d["id"] for d in journal.read_manifest()["devices"]} if journal.had_manifest else set()
     slots = state.slots
+    report = ScanReport()
+    scan_all = rebuild or rec.damaged
+    report.reason = ("requested" if rebuild else "checkpoint does not verify" if not rec.checkpoint_ok else
+                     "manifest does not verify" if not rec.manifest_ok else
+                     f"{rec.skipped} damaged log entries" if rec.skipped else "")
+    rows = dict(rec.rows)
+    next_seq = rec.next_seq
+    for i, s in enumerate(slots):
+        if s.id is None or s.device.fresh or not (scan_all or s.id not in known):
+            continue
+        report.reason = report.reason or "a device the index does not know"
+        found, bad = scan_device(getattr(s.device, "inner", s.device), s.id)
+        report.devices += 1
+        report.found += len(found)
+        report.bad += bad
+        rows = {d: op for d, op in rows.items() if op.dev != s.id}       # the device's own records are the truth
+        for digest, op in found.items():
+            cur = rows.get(digest)
+            if cur is None or cur.seq < op.seq:
+                rows[digest] = op
+            next_seq = max(next_seq, op.seq + 1)
     by_id = {s.id: i for i, s in enumerate(slots) if s.id is not None}
     per_dev: dict[int, list[tuple[bytes, Op]]] = {}
     dropped = 0
-    for digest, op in rec.rows.items():
+    for digest, op in rows.items():
         i = by_id.get(op.dev)
         dev = slots[i].device if i is not None else None
         limit = None if dev is None else (dev.capacity if dev.intact_bytes is None else dev.intact_bytes)
@@ -37,7 +141,7 @@ def recover(state: PoolState) -> None:
             continue
         per_dev.setdefault(i, []).append((digest, op))
     conflicts = 0
-    rows: list[tuple[int, bytes, Op]] = []
+    kept_rows: list[tuple[int, bytes, Op]] = []
     for i, items in per_dev.items():
         align = slots[i].alloc.align
         items.sort(key=lambda r: r[1].offset)
@@ -51,17 +155,23 @@ def recover(state: PoolState) -> None:
             kept.append((digest, op))
         slots[i].alloc = ExtentAllocator.from_used(slots[i].alloc.capacity, align,
                                                    [(op.offset, op.length) for _, op in kept])
-        rows += [(i, d, op) for d, op in kept]
+        kept_rows += [(i, d, op) for d, op in kept]
     table = LookupTable(len(slots))
-    for i, digest, op in sorted(rows, key=lambda r: r[2].seq):      # LRU order = age
+    for i, digest, op in sorted(kept_rows, key=lambda r: r[2].seq):      # LRU order = age
         table.insert(digest, Entry(i, op.offset, op.length, op.seq, op.checksum))
     state.table = table
-    state.next_seq = rec.next_seq
+    state.next_seq = next_seq
     state.counters["recovery_dropped"] = dropped
     state.counters["recovery_conflicts"] = conflicts
+    state.counters["recovery_scanned"] = report.devices
+    state.counters["recovery_scan_found"] = report.found
     where = state.cfg.index_dir
+    if report.devices:
+        log.warning("pool index %s: rebuilt from a scan of %d devices (%s): %d intact records found, %d damaged",
+                    where, report.devices, report.reason, report.found, report.bad)
     if conflicts:
         log.error("pool index %s: %d rows shared an extent after recovery; kept the newest", where, conflicts)
     if dropped or rec.torn or not rec.checkpoint_ok:
-        log.warning("pool index %s: recovered %d records (%d dropped: device gone, new or truncated%s)",
-                    where, len(table), dropped, "; the log ended torn" if rec.torn else "")
+        log.info("pool index %s: recovered %d records (%d dropped: device gone, new or truncated%s)",
+                 where, len(table), dropped, "; the log ended torn" if rec.torn else "")
+    return report

@@ -82,6 +82,21 @@ class FilesDevice(Device):
             os.close(fd)
         self._account(t1 - t0 + time.perf_counter() - t2, t2 - t1)
 
+    def record_offsets(self) -> list[int]:
+        """Offsets of every record file present (for a scan that rebuilds the index), in order."""
+        out = []
+        for sub in os.scandir(self.root):
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub.path):
+                name, _, ext = entry.name.partition(".")
+                if ext == "kvr":
+                    try:
+                        out.append(int(name, 16))
+                    except ValueError:
+                        continue
+        return sorted(o for o in out if 0 <= o < self.capacity)
+
     def staging(self, offset: int, nbytes: int) -> torch.Tensor:
         return aligned_empty(nbytes)
 
