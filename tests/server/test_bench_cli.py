@@ -49,3 +49,11 @@ def test_bench_serve_restores_from_a_throttled_pool_on_disk(tmp_path, monkeypatc
     run = res["runs"]["cacheflow"]
     assert run["summary"]["errors"] == 0 and run["hit_split"]["pool"] > 0
     assert (tmp_path / "pool" / "serve-cacheflow" / "kv.img").exists()
+
+
+def test_bench_soak_serves_every_valid_request_and_refuses_every_bad_one(tmp_path):
+    assert main(["bench", "soak", "--clients", "2", "--duration", "4", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["valid"] > 0 and res["valid_errors"] == 0
+    assert res["bad"] > 0 and res["bad_other"] == 0 and res["bad_4xx"] == res["bad"]
+    assert res["rss_samples"]

@@ -331,3 +331,103 @@ def draw_cdf(runs: dict[str, list[TurnRecord]]):
 
 def records_json(records: list[TurnRecord]) -> list[dict]:
     return [asdict(r) for r in records]
+
+
+# --------------------------------------------------------------------------------------------- soak
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident set size of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def bad_requests(model: str) -> list[tuple[str, dict]]:
+    """(route, httpx request kwargs) of requests a server must refuse with 4xx."""
+    c, ch = "/completions", "/chat/completions"
+    return [(c, {"content": b"{not json"}), (c, {"content": b"[]"}), (c, {"json": {"model": "nope", "prompt": "x"}}),
+            (c, {"json": {"model": model}}), (c, {"json": {"model": model, "prompt": "x", "max_tokens": -3}}),
+            (c, {"json": {"model": model, "prompt": "x", "temperature": -1}}),
+            (c, {"json": {"model": model, "prompt": "x", "top_p": 7}}),
+            (c, {"json": {"model": model, "prompt": "x", "temperature": "warm"}}),
+            (c, {"json": {"model": model, "prompt": "x" * 300_000}}),
+            (c, {"json": {"model": model, "prompt": [-1, 2]}}),
+            (c, {"json": {"model": model, "prompt": "x", "max_tokens": 10**9}}),
+            (ch, {"json": {"model": model, "messages": []}}),
+            (ch, {"json": {"model": model, "messages": [{"role": "x", "content": 1}]}}),
+            (ch, {"content": b"\xff\xfe"})]
+
+
+async def run_soak(base_url: str, model: str, clients: int = 8, duration_s: float = 300.0, seed: int = 0,
+                   rss=None, max_tokens: int = 8) -> dict:
+    """``clients`` valid users (half streaming) and one client sending bad requests and hanging up mid-stream, for
+    ``duration_s``. Valid requests must all succeed; bad ones must all get 4xx; RSS sampled once a second."""
+    import httpx
+
+    stop_at = time.perf_counter() + duration_s
+    counts = {"valid": 0, "valid_errors": 0, "bad": 0, "bad_4xx": 0, "bad_other": 0, "hangups": 0}
+    errors: list[str] = []
+    samples: list[tuple[float, int]] = []
+    t_start = time.perf_counter()
+
+    async def valid(u: int, http: httpx.AsyncClient):
+        rng = random.Random(seed * 100 + u)
+        k = 0
+        while time.perf_counter() < stop_at:
+            body = {"model": model, "prompt": _text(rng, rng.randint(8, 200)), "max_tokens": max_tokens,
+                    "temperature": rng.choice([0, 0.7]), "seed": rng.randint(0, 1000), "ignore_eos": True}
+            stream, k = (u + k) % 2 == 0, k + 1
+            counts["valid"] += 1
+            try:
+                if stream:
+                    async with http.stream("POST", "/completions", json={**body, "stream": True}) as r:
+                        text = "".join([line async for line in r.aiter_lines()])
+                        ok = r.status_code == 200 and "[DONE]" in text and '"error"' not in text
+                else:
+                    r = await http.post("/completions", json=body)
+                    ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == max_tokens
+            except Exception as err:
+                ok, text = False, f"{type(err).__name__}: {err}"
+            if not ok:
+                counts["valid_errors"] += 1
+                errors.append(f"valid request failed ({'stream' if stream else 'plain'})")
+
+    async def barrage(http: httpx.AsyncClient):
+        rng = random.Random(seed)
+        bad = bad_requests(model)
+        while time.perf_counter() < stop_at:
+            if rng.random() < 0.2:                            # open a stream and hang up after the first chunk
+                try:
+                    async with http.stream("POST", "/completions", json={
+                            "model": model, "prompt": "hang up", "max_tokens": 64, "stream": True}) as r:
+                        async for _ in r.aiter_lines():
+                            break
+                    counts["hangups"] += 1
+                except Exception:
+                    pass
+                continue
+            route, kw = rng.choice(bad)
+            counts["bad"] += 1
+            try:
+                r = await http.post(route, headers={"content-type": "application/json"}, **kw)
+                ok = 400 <= r.status_code < 500 and "error" in r.json()
+            except Exception:
+                ok = False
+            counts["bad_4xx" if ok else "bad_other"] += 1
+            await asyncio.sleep(0.01)
+
+    async def sampler():
+        while time.perf_counter() < stop_at:
+            if rss is not None:
+                samples.append((time.perf_counter() - t_start, rss()))
+            await asyncio.sleep(1.0)
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
+        await asyncio.gather(*[valid(u, http) for u in range(clients)], barrage(http), sampler())
+    out = {"clients": clients, "duration_s": duration_s, **counts, "first_errors": errors[:5]}
+    if samples:
+        warm = [v for t, v in samples if t >= 0.2 * duration_s] or [samples[-1][1]]
+        out.update(rss_after_warmup=warm[0], rss_max=max(warm), rss_end=warm[-1],
+                   rss_growth=max(warm) / warm[0] - 1.0, rss_samples=samples)
+    return out

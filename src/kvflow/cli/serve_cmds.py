@@ -139,3 +139,40 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
             results["runs"][name] = {"summary": summary, "hit_split": split, "turns": records_json(records)}
     save_figure(folder / "ttft_cdf.png", draw_cdf(runs))
     report(results, folder, [("multi-round chat", rows)], as_json, f"results in {folder} (results.json, ttft_cdf.png)")
+
+
+@bench_app.command("soak")
+def bench_soak(url: Optional[str] = typer.Option(None, help="an OpenAI-compatible server (…/v1); default: "
+                                                 "kvflow in-process"),
+               served_model: Optional[str] = typer.Option(None, help="model name at --url"),
+               pid: Optional[int] = typer.Option(None, help="with --url: the server's pid, to sample its RSS"),
+               model: str = typer.Option("tiny", help="in-process: preset or checkpoint directory"),
+               config: Optional[Path] = typer.Option(None, help="in-process: engine:/pool: config file"),
+               clients: int = typer.Option(8), duration: float = typer.Option(300.0, help="seconds"),
+               seed: int = typer.Option(0),
+               out: Optional[Path] = typer.Option(None, help="output folder (default runs/soak-TIME)"),
+               as_json: bool = typer.Option(False, "--json")) -> None:
+    """Valid clients + a bad-input barrage for DURATION: errors on valid requests, 4xx on bad ones, RSS growth."""
+    import asyncio
+
+    from kvflow.bench.common import out_dir, report
+    from kvflow.bench.serve_bench import LocalServer, rss_bytes, run_soak
+
+    if clients < 1 or duration <= 0:
+        raise KVFlowError("--clients must be >= 1 and --duration > 0")
+    folder = out_dir("soak", out)
+    if url is not None:
+        if not served_model:
+            raise KVFlowError("--url needs --served-model (the model name that server serves)")
+        res = asyncio.run(run_soak(url, served_model, clients, duration, seed,
+                                   (lambda: rss_bytes(pid)) if pid else None))
+    else:
+        from kvflow.server import build_engine
+        engine, _ = build_engine(model, str(config) if config else None)
+        with LocalServer(engine, model) as server:
+            res = asyncio.run(run_soak(server.url, model, clients, duration, seed, rss_bytes))
+    row = {k: res.get(k) for k in ("clients", "duration_s", "valid", "valid_errors", "bad", "bad_4xx", "bad_other",
+                                   "hangups", "rss_growth")}
+    report(res, folder, [("soak", [row])], as_json, f"results in {folder}")
+    if res["valid_errors"] or res["bad_other"]:
+        raise typer.Exit(1)

@@ -122,12 +122,12 @@ class LLMEngine:
         """Raise RequestError/SamplingError for a request this engine cannot serve."""
         if not ids:
             raise RequestError("the prompt is empty")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         total = len(ids) + params.max_tokens
         if len(ids) >= self.max_model_len or total > self.max_model_len:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                                f"context of {self.max_model_len} tokens")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         capacity = self.num_blocks * self.config.block_size
         if total > capacity:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engine's "
