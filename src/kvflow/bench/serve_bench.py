@@ -65,6 +65,7 @@ def batched_decode(runner, n: int = 8, prompt_len: int = 32, max_tokens: int = 6
         alone = [run([p]) for p in prompts]
         same &= together == [a[2][0] for a in alone]
         rounds.append((together_s, together_decode_s, sum(a[0] for a in alone), sum(a[1] for a in alone)))
+    step_ratio, step_s = _step_ratio(runner, prompts, block_size)
     decode_tokens = n * (max_tokens - 1)
     ratios = sorted(r[3] / r[1] for r in rounds)
     together_s, together_decode_s, alone_s, alone_decode_s = sorted(rounds, key=lambda r: r[3] / r[1])[len(rounds) // 2]
@@ -75,7 +76,33 @@ def batched_decode(runner, n: int = 8, prompt_len: int = 32, max_tokens: int = 6
             "decode_speedup": alone_decode_s / together_decode_s,          # the median round
             "decode_speedup_each": ratios,
             "end_to_end_speedup": alone_s / together_s,
+            "step_speedup": step_ratio, "step_s": step_s,
             "same_tokens": same}
+
+
+def _step_ratio(runner, prompts: list[list[int]], block_size: int, trials: int = 30) -> tuple[float, dict]:
+    """Tokens/s of one decode step of all sequences vs one step of a single sequence, the two alternated ``trials``
+    times (medians): the same ratio as above without the engine around it, robust to a drifting machine."""
+    from kvflow.engine.model_runner import BatchRunner, StepItem
+    from kvflow.engine.paged_cache import PagedKVCache
+
+    per = -(-(len(prompts[0]) + 1) // block_size)
+    cache = PagedKVCache(runner.num_layers, per * len(prompts), block_size, runner.kv_heads, runner.head_dim,
+                         runner.dtype)
+    br = BatchRunner(runner, cache)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
+    br.execute([StepItem(t, 0, p, False) for t, p in zip(tables, prompts)])
+    decode = [StepItem(t, len(p), [1], True) for t, p in zip(tables, prompts)]
+    many, one = [], []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        br.execute(decode)
+        t1 = time.perf_counter()
+        br.execute(decode[:1])
+        many.append(t1 - t0)
+        one.append(time.perf_counter() - t1)
+    m, o = float(np.median(many)), float(np.median(one))
+    return (len(prompts) / m) / (1 / o), {"all_sequences": m, "one_sequence": o}
 
 
 # ----------------------------------------------------------------------------------------- workload

@@ -61,7 +61,7 @@ def bench_decode(model: str = typer.Option("tiny", help="preset or checkpoint di
     folder = out_dir("decode", out)
     res = batched_decode(load_model(model), sequences, prompt_len, max_tokens, repeats=repeats)
     row = {k: res[k] for k in ("model", "sequences", "together_decode_tok_s", "one_at_a_time_decode_tok_s",
-                               "decode_speedup", "end_to_end_speedup", "same_tokens")}
+                               "decode_speedup", "end_to_end_speedup", "step_speedup", "same_tokens")}
     report(res, folder, [("batched decode", [row])], as_json, f"results in {folder}")
 
 
