@@ -2,7 +2,7 @@
 when the I/O side would load it sooner — judged with the speeds measured in the run — and plans without the guard
 meet exactly as before."""
 
-from kvflow.executor.executor import Executor, _Board
+from kvflow.executor import Board
 from kvflow.planner.plan import Plan
 
 C = 16
@@ -12,8 +12,8 @@ def plan(**guard) -> Plan:
     return Plan("token", 10 * C, 1, C, 4, (4,) * 10, compute=(), loads=(), dynamic_meet=True, **guard)
 
 
-def board(p: Plan, hi: int, io_chunk_s: float, speed: float = 1.0) -> _Board:
-    b = _Board(p)
+def board(p: Plan, hi: int, io_chunk_s: float, speed: float = 1.0) -> Board:
+    b = Board(p)
     b.hi, b.io_chunk_s = hi, io_chunk_s
     b.compute_actual, b.compute_predicted = speed, 1.0
     return b
@@ -26,13 +26,13 @@ def test_a_chunk_the_io_side_would_load_sooner_is_left_to_it():
     p = plan(**GUARDED)
     # step [4, 8) with the I/O pointer at 8: chunk 7 would take compute 0.61 s, the I/O side 0.05 s ... chunk 5: 0.21
     # vs 0.15 -> only chunk 4 is worth recomputing, and that is the compute side's last step
-    assert Executor._guard(p, board(p, hi=8, io_chunk_s=0.05), 4 * C, 8 * C, lambda: 0.0) == (5 * C, True)
+    assert board(p, hi=8, io_chunk_s=0.05).guard(4 * C, 8 * C, 0.0) == (5 * C, True)
 
 
 def test_a_compute_side_faster_than_planned_claims_more():
     p = plan(**GUARDED)
-    assert Executor._guard(p, board(p, hi=8, io_chunk_s=0.05, speed=0.1), 4 * C, 8 * C, lambda: 0.0) == (7 * C, True)
-    assert Executor._guard(p, board(p, hi=8, io_chunk_s=0.05, speed=0.01), 4 * C, 8 * C, lambda: 0.0) == (8 * C, False)
+    assert board(p, hi=8, io_chunk_s=0.05, speed=0.1).guard(4 * C, 8 * C, 0.0) == (7 * C, True)
+    assert board(p, hi=8, io_chunk_s=0.05, speed=0.01).guard(4 * C, 8 * C, 0.0) == (8 * C, False)
 
 
 def test_the_load_in_flight_counts_before_the_io_side_reaches_a_chunk():
@@ -40,14 +40,14 @@ def test_the_load_in_flight_counts_before_the_io_side_reaches_a_chunk():
     b = board(p, hi=6, io_chunk_s=0.05)
     b.in_flight = 1
     b.io_started = 0.0      # chunk 6's load just began: the I/O side reaches chunk 5 at 0.05 + 0.05 > 0.09
-    assert Executor._guard(p, b, 4 * C, 6 * C, lambda: 0.0) == (6 * C, False)
+    assert b.guard(4 * C, 6 * C, 0.0) == (6 * C, False)
     b.io_started = -0.05    # it is landing now: chunk 5 would be loaded at 0.05 < 0.09, so compute leaves it
-    assert Executor._guard(p, b, 4 * C, 6 * C, lambda: 0.0) == (5 * C, True)
+    assert b.guard(4 * C, 6 * C, 0.0) == (5 * C, True)
     b.in_flight = 2         # reads run ahead: one more chunk is queued behind the landing one -> 0.10 > 0.09
-    assert Executor._guard(p, b, 4 * C, 6 * C, lambda: 0.0) == (6 * C, False)
+    assert b.guard(4 * C, 6 * C, 0.0) == (6 * C, False)
 
 
 def test_without_guard_data_or_before_any_load_landed_the_plan_stands():
-    assert Executor._guard(plan(), board(plan(), hi=8, io_chunk_s=0.05), 4 * C, 8 * C, lambda: 0.0) == (8 * C, False)
+    assert board(plan(), hi=8, io_chunk_s=0.05).guard(4 * C, 8 * C, 0.0) == (8 * C, False)
     p = plan(**GUARDED)
-    assert Executor._guard(p, board(p, hi=8, io_chunk_s=0.0), 4 * C, 8 * C, lambda: 0.0) == (8 * C, False)
+    assert board(p, hi=8, io_chunk_s=0.0).guard(4 * C, 8 * C, 0.0) == (8 * C, False)

@@ -97,18 +97,17 @@ def test_a_read_that_fails_in_flight_ends_the_restore_with_its_error(tiny):
 
 
 def test_dynamic_claims_run_ahead_only_far_from_the_meet():
-    from kvflow.executor.executor import Executor, Job, _Board
+    from kvflow.executor import Board
     from kvflow.planner.plan import Plan
 
     plan = Plan("token", 10 * 32, 1, 32, 4, (0,) * 10, compute=(), loads=(), dynamic_meet=True)
-    job, board = Job(plan, [], torch.zeros(321, dtype=torch.long)), _Board(plan)
+    board = Board(plan)
     board.lo, board.hi = 3, 10
-    mine, other = [(0, None)], [(1, None)]
-    assert Executor._claim(job, board, 0, (9, 10), mine, lambda: 1.0) == "load"     # far: issue it now
+    assert board.claim((9, 10), reading=True, now=1.0) == "load"      # far: issue it now
     assert (board.hi, board.in_flight, board.io_started) == (9, 1, 1.0)
-    board.hi = 5                                                                   # two chunks left: near
-    assert Executor._claim(job, board, 0, (4, 5), mine, lambda: 2.0) is None       # wait for our read to land
+    board.hi = 5                                                     # two chunks left: near
+    assert board.claim((4, 5), reading=True, now=2.0) is None         # wait for our read to land
     assert board.hi == 5
-    assert Executor._claim(job, board, 0, (4, 5), other, lambda: 2.0) == "load"    # another request's read: go
+    assert board.claim((4, 5), reading=False, now=2.0) == "load"      # only another request's read: go
     board.lo = 5
-    assert Executor._claim(job, board, 0, (3, 4), [], lambda: 3.0) == "skip"       # compute got there first
+    assert board.claim((3, 4), reading=False, now=3.0) == "skip"      # compute got there first

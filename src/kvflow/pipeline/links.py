@@ -1,4 +1,4 @@
-"""Where a stage's compute inputs come from during restoration (executor.StageLink implementations).
+"""Where a stage's compute inputs come from during restoration (pipeline.stage_link.StageLink implementations).
 
     EmbedInputs        stage 0: token embeddings, always at hand
     ActivationInputs   independent stage g > 0: the stored boundary activations at b_g, prefetched forward on their
@@ -17,9 +17,9 @@ import threading
 import torch
 
 from kvflow.chunks.keys import ChunkKey
-from kvflow.executor.executor import StageLink
 from kvflow.executor.timeline import Event
 from kvflow.pipeline.channel import END, PIECE, Channel
+from kvflow.pipeline.stage_link import StageLink
 
 log = logging.getLogger("kvflow.pipeline")
 
