@@ -184,7 +184,8 @@ def check(cond: bool, message: str) -> None:
 # Variables kvflow reads besides the ``KVFLOW_<SECTION>_<FIELD>`` overrides.
 ENV_VARS = ("KVFLOW_HOME", "KVFLOW_CONFIG", "KVFLOW_TORCH_THREADS", "KVFLOW_BENCH_DISK", "KVFLOW_TEST_THREADS")
 # Sections that take env overrides: name -> "module:Class" (imported only to list their fields).
-SECTIONS = {"pool": "kvflow.pool.config:PoolConfig", "planner": "kvflow.planner.strategies:PlannerConfig"}
+SECTIONS = {"pool": "kvflow.pool.config:PoolConfig", "planner": "kvflow.planner.strategies:PlannerConfig",
+            "executor": "kvflow.executor.config:ExecutorConfig"}
 
 
 def env_int(name: str, lo: int, hi: int, env: Mapping[str, str] | None = None) -> int | None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvflow import KVPool, Restorer
+from kvflow.config import unknown_env
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.executor import Board, Executor, ExecutorConfig, Job, StallError
 from kvflow.executor.cells import Cells
@@ -171,6 +172,7 @@ def test_the_stall_timeout_comes_from_the_executor_section_and_the_environment(t
     for bad in ("0", "-1", "nan", "inf", "soon"):
         with pytest.raises(ConfigError, match="stall_timeout_s"):
             ExecutorConfig.load(env={"KVFLOW_EXECUTOR_STALL_TIMEOUT_S": bad})
+    assert unknown_env({"KVFLOW_EXECUTOR_STALL_TIMEOUT_S": "1"}) == []     # a variable kvflow reads: no warning
 
 
 # -- every cell exactly once -----------------------------------------------------------------------------------------
