@@ -28,6 +28,7 @@ def test_bench_serve_drives_a_multi_round_chat_through_the_openai_client(tmp_pat
 
 
 @pytest.mark.parametrize("args", [["bench", "serve", "--configs", "magic"], ["bench", "serve", "--users", "0"],
+                                  ["bench", "serve", "--workload", "poetry"],
                                   ["bench", "serve", "--url", "http://127.0.0.1:9/v1"],
                                   ["bench", "decode", "--sequences", "1"],
                                   ["serve", "--port", "70000"]])
@@ -57,3 +58,14 @@ def test_bench_soak_serves_every_valid_request_and_refuses_every_bad_one(tmp_pat
     assert res["valid"] > 0 and res["valid_errors"] == 0
     assert res["bad"] > 0 and res["bad_other"] == 0 and res["bad_4xx"] == res["bad"]
     assert res["rss_samples"]
+
+
+@pytest.mark.parametrize("workload", ["docqa", "agent"])
+def test_bench_serve_document_qa_and_agent_workloads_reuse_their_shared_prefixes(tmp_path, workload):
+    assert main(["bench", "serve", "--workload", workload, "--configs", "resident", "--users", "2", "--rounds", "2",
+                 "--rate", "20", "--docs", "2", "--doc-min", "40", "--doc-max", "60", "--system-tokens", "48",
+                 "--user-tokens", "8", "--tool-tokens", "16", "--answer-tokens", "2", "--think", "0",
+                 "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "results.json").read_text())["runs"]["resident"]
+    assert run["summary"]["errors"] == 0 and run["summary"]["requests"] == 4
+    assert run["hit_split"]["resident"] > 0

@@ -1,19 +1,23 @@
-"""Serving benchmarks: ``kvflow bench serve`` (a load generator for any OpenAI-compatible server) and
-``kvflow bench decode`` (batched decode vs one sequence at a time, same engine).
+"""Serving benchmarks: ``kvflow bench serve`` (a load generator for any OpenAI-compatible server),
+``kvflow bench decode`` (batched decode vs one sequence at a time, same engine) and ``kvflow bench soak``.
 
-Multi-round chat workload (the shape of vLLM's benchmarks/multi_turn: Poisson arrivals of conversations, think
-time between turns, history resent every turn; the parameters are ours, scaled to a 2-core CPU):
+Workloads (``--workload``). Their shapes follow vLLM's benchmarks/multi_turn (Poisson arrivals of conversations,
+think time between turns, the whole history resent every turn) and the long-document / agent patterns of
+DESIGN.md §1; the parameters are ours, scaled to a 2-core CPU and all options:
 
-    users            arrive as a Poisson process of rate ``rate`` users/s (exponential gaps), seeded
-    system prompt    ``system_tokens`` characters, one per user (no cross-user sharing)
-    each turn        a user message of ~LogNormal(ln user_tokens, 0.5) characters (clipped to [8, 4 x mean]),
-                     answered with ``answer_tokens`` tokens (max_tokens, temperature 0, ignore_eos)
-    think time       ~Exponential(mean think_s) between an answer and the next turn
-    rounds           ``rounds`` turns per user; the whole history is the next prompt (prefix reuse)
+    chat   users arrive as a Poisson process (rate/s); each has its own system prompt (system_tokens) and
+           ``rounds`` user turns of ~LogNormal(ln user_tokens, 0.5) tokens (clipped to [8, 4 x mean]), think time
+           ~Exponential(think_s) after each answer; history grows by every turn and answer
+    docqa  ``docs`` documents of ~Uniform[doc_tokens_min, doc_tokens_max] tokens, ``rounds`` questions each
+           (user_tokens), asked interleaved across documents (d0q0, d1q0, ..., d0q1, ...) as independent requests
+           arriving as a Poisson process: reuse is the document prefix
+    agent  ONE long system prompt shared by every user, a task (user_tokens) then ``rounds - 1`` tool outputs of
+           ~LogNormal(ln tool_tokens, 0.5) tokens, each answered: a shared prefix plus growing private histories
 
-With the byte-level tokenizer of the random-weight presets one character is one token, so these are token counts.
-Per run: TTFT P50/P90/P99 and mean, inter-token latency P50/P99, output tokens/s, and the prompt-token hit split
-(resident / pool / miss) read from the server's /metrics (kvflow) or cached_tokens from usage (any server).
+Answers are ``answer_tokens`` long (temperature 0, ignore_eos). With the byte-level tokenizer of the random-
+weight presets one character is one token. Per run: TTFT P50/P90/P99 and mean, inter-token latency P50/P99,
+output tokens/s, and the prompt-token hit split (resident / pool / miss) read from the engine (kvflow in-process)
+or cached_tokens from usage (any server).
 """
 
 from __future__ import annotations
@@ -106,23 +110,47 @@ def _step_ratio(runner, prompts: list[list[int]], block_size: int, trials: int =
 
 
 # ----------------------------------------------------------------------------------------- workload
+WORKLOADS = ("chat", "docqa", "agent")
+
+
 @dataclass(slots=True)
 class ChatWorkload:
-    users: int = 8
-    rounds: int = 4
-    rate: float = 2.0               # users arriving per second (Poisson)
-    system_tokens: int = 256
-    user_tokens: int = 64
+    """One of three workloads (module docstring); fields a workload does not use are ignored by it."""
+    kind: str = "chat"
+    users: int = 8                  # chat / agent: conversations; docqa: concurrent question streams
+    rounds: int = 4                 # chat: turns per user; agent: tool steps per user; docqa: questions per doc
+    rate: float = 2.0               # sessions arriving per second (Poisson)
+    system_tokens: int = 256        # chat: per-user system prompt; agent: ONE system prompt shared by all users
+    user_tokens: int = 64           # a user turn / question / agent task
     answer_tokens: int = 16
     think_s: float = 0.5
+    docs: int = 4                   # docqa: documents
+    doc_tokens_min: int = 1024      # docqa: document length ~ Uniform[min, max]
+    doc_tokens_max: int = 4096
+    tool_tokens: int = 128          # agent: tool output per step ~ LogNormal(ln tool_tokens, 0.5)
     seed: int = 0
 
     def validate(self) -> None:
         from kvflow.errors import KVFlowError
-        if min(self.users, self.rounds, self.system_tokens, self.user_tokens, self.answer_tokens) < 1:
-            raise KVFlowError("users, rounds, system/user/answer tokens must all be >= 1")
+        if self.kind not in WORKLOADS:
+            raise KVFlowError(f"unknown workload {self.kind!r}: use one of {', '.join(WORKLOADS)}")
+        if min(self.users, self.rounds, self.system_tokens, self.user_tokens, self.answer_tokens, self.docs,
+               self.doc_tokens_min, self.tool_tokens) < 1:
+            raise KVFlowError("users, rounds, docs and every token count must be >= 1")
+        if self.doc_tokens_max < self.doc_tokens_min:
+            raise KVFlowError("doc_tokens_max must be >= doc_tokens_min")
         if self.rate <= 0 or self.think_s < 0:
             raise KVFlowError("rate must be > 0 and think time >= 0")
+
+
+@dataclass(slots=True)
+class Session:
+    """One client's requests: ``turns`` (role, content, think seconds after the answer) sent in order; with
+    ``keep_history`` every answer joins the messages of the next turn."""
+    arrival_s: float
+    system: str | None
+    turns: list[tuple[str, str, float]]
+    keep_history: bool = True
 
 
 @dataclass(slots=True)
@@ -147,31 +175,62 @@ def _text(rng: random.Random, n: int) -> str:
     return " ".join(words)[:n]
 
 
+def _lognormal(rng: random.Random, mean: int) -> int:
+    return int(min(max(rng.lognormvariate(np.log(mean), 0.5), 8), 4 * mean))
+
+
+def _arrivals(rng: random.Random, n: int, rate: float) -> list[float]:
+    out, t = [], 0.0
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def sessions(w: ChatWorkload) -> list[Session]:
+    """The seeded sessions of workload ``w``."""
+    rng = random.Random(w.seed)
+    think = (lambda r: r.expovariate(1 / w.think_s)) if w.think_s > 0 else (lambda r: 0.0)
+    if w.kind == "chat":
+        out = []
+        for u, t in enumerate(_arrivals(rng, w.users, w.rate)):
+            r = random.Random(w.seed * 1000 + u)
+            out.append(Session(t, _text(r, w.system_tokens),
+                               [("user", _text(r, _lognormal(r, w.user_tokens)), think(r)) for _ in range(w.rounds)]))
+        return out
+    if w.kind == "agent":
+        shared = _text(random.Random(w.seed * 7919), w.system_tokens)
+        out = []
+        for u, t in enumerate(_arrivals(rng, w.users, w.rate)):
+            r = random.Random(w.seed * 1000 + u)
+            turns = [("user", "Task: " + _text(r, _lognormal(r, w.user_tokens)), think(r))]
+            turns += [("user", "Tool output:\n" + _text(r, _lognormal(r, w.tool_tokens)), think(r))
+                      for _ in range(w.rounds - 1)]
+            out.append(Session(t, shared, turns))
+        return out
+    docs = [_text(random.Random(w.seed * 31 + d), random.Random(w.seed * 37 + d).randint(w.doc_tokens_min,
+                                                                                         w.doc_tokens_max))
+            for d in range(w.docs)]
+    asks = [(d, q) for q in range(w.rounds) for d in range(w.docs)]           # interleaved across documents
+    times = _arrivals(rng, len(asks), w.rate)
+    question = [[_text(random.Random(w.seed * 131 + d * 97 + q), w.user_tokens) for q in range(w.rounds)]
+                for d in range(w.docs)]
+    return [Session(t, None, [("user", f"{docs[d]}\n\nQuestion {q}: {question[d][q]}", 0.0)], keep_history=False)
+            for t, (d, q) in zip(times, asks)]
+
+
 async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "unused") -> tuple[list, float]:
-    """Drive the workload against ``base_url`` (…/v1); returns per-turn records and the wall time."""
+    """Drive workload ``w`` against ``base_url`` (…/v1); returns per-request records and the wall time."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
-    rng = random.Random(w.seed)
-    arrivals, t = [], 0.0
-    for _ in range(w.users):
-        arrivals.append(t)
-        t += rng.expovariate(w.rate)
-    plans = []
-    for u in range(w.users):
-        r = random.Random(w.seed * 1000 + u)
-        turns = [_text(r, int(min(max(r.lognormvariate(np.log(w.user_tokens), 0.5), 8), 4 * w.user_tokens)))
-                 for _ in range(w.rounds)]
-        thinks = [r.expovariate(1 / w.think_s) if w.think_s > 0 else 0.0 for _ in range(w.rounds)]
-        plans.append((_text(r, w.system_tokens), turns, thinks))
     records: list[TurnRecord] = []
 
-    async def user(u: int):
-        await asyncio.sleep(arrivals[u])
-        system, turns, thinks = plans[u]
-        messages = [{"role": "system", "content": system}]
-        for k, (msg, think) in enumerate(zip(turns, thinks)):
-            messages.append({"role": "user", "content": msg})
+    async def session(u: int, s: Session):
+        await asyncio.sleep(s.arrival_s)
+        history = [{"role": "system", "content": s.system}] if s.system is not None else []
+        for k, (role, content, think) in enumerate(s.turns):
+            messages = history + [{"role": role, "content": content}]
             rec = TurnRecord(u, k)
             records.append(rec)
             t0 = time.perf_counter()
@@ -202,11 +261,12 @@ async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "u
                 rec.error = f"{type(err).__name__}: {err}"
                 return
             rec.e2e_s = time.perf_counter() - t0
-            messages.append({"role": "assistant", "content": "".join(answer)})
+            if s.keep_history:
+                history = messages + [{"role": "assistant", "content": "".join(answer)}]
             await asyncio.sleep(think)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*[user(u) for u in range(w.users)])
+    await asyncio.gather(*[session(u, s) for u, s in enumerate(sessions(w))])
     wall = time.perf_counter() - t0
     await client.close()
     return records, wall
@@ -318,13 +378,23 @@ def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int,
 
 
 def working_set_tokens(w: ChatWorkload) -> int:
-    """Tokens of every user's full history at its last turn."""
+    """Distinct prompt tokens the workload's prefixes cover at their longest (what caching all of it would hold)."""
+    if w.kind == "docqa":
+        return w.docs * (w.doc_tokens_min + w.doc_tokens_max) // 2 + w.docs * w.rounds * (w.user_tokens + 32)
+    if w.kind == "agent":
+        return w.system_tokens + w.users * (w.user_tokens + (w.rounds - 1) * (w.tool_tokens + 32)
+                                            + w.rounds * (w.answer_tokens + 32))
     return w.users * (w.system_tokens + w.rounds * (w.user_tokens + w.answer_tokens) + 64)
 
 
 def longest_history_tokens(w: ChatWorkload) -> int:
-    """An upper bound on one conversation's last prompt (user turns clipped at 4x their mean, chat tags included):
+    """An upper bound on one request's prompt (lognormal lengths are clipped at 4x their mean, chat tags included):
     the resident budget must hold at least this, or the request could never run."""
+    if w.kind == "docqa":
+        return w.doc_tokens_max + w.user_tokens + 96
+    if w.kind == "agent":
+        return (w.system_tokens + 4 * w.user_tokens + (w.rounds - 1) * (4 * w.tool_tokens + 64)
+                + w.rounds * (w.answer_tokens + 64) + 64)
     return w.system_tokens + w.rounds * (4 * w.user_tokens + w.answer_tokens + 64) + 64
 
 
@@ -340,7 +410,7 @@ def result_row(name: str, summary: dict, split: dict | None) -> dict:
     return row
 
 
-def draw_cdf(runs: dict[str, list[TurnRecord]]):
+def draw_cdf(runs: dict[str, list[TurnRecord]], title: str = "multi-round chat"):
     def draw(axes):
         ax = axes[0]
         for name, records in runs.items():
@@ -352,7 +422,7 @@ def draw_cdf(runs: dict[str, list[TurnRecord]]):
         ax.set_xscale("log")
         ax.grid(alpha=0.3)
         ax.legend()
-        ax.set_title("multi-round chat: TTFT CDF")
+        ax.set_title(f"{title}: TTFT CDF")
     return draw
 
 

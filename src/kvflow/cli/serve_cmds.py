@@ -70,6 +70,7 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                                                   "start kvflow in-process for each --configs entry"),
                 served_model: Optional[str] = typer.Option(None, help="model name at --url"),
                 model: str = typer.Option("tiny", help="in-process: preset or checkpoint directory"),
+                workload: str = typer.Option("chat", help="chat | docqa | agent (docs: kvflow/bench/serve_bench.py)"),
                 configs: str = typer.Option("resident,recompute,cacheflow",
                                             help="in-process configurations: resident (no pool) or a strategy "
                                                  "restoring pool hits"),
@@ -77,6 +78,10 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                 users: int = typer.Option(8), rounds: int = typer.Option(4), rate: float = typer.Option(2.0),
                 system_tokens: int = typer.Option(256), user_tokens: int = typer.Option(64),
                 answer_tokens: int = typer.Option(16), think: float = typer.Option(0.5, help="mean think time s"),
+                docs: int = typer.Option(4, help="docqa: documents"),
+                doc_min: int = typer.Option(1024, help="docqa: shortest document (tokens)"),
+                doc_max: int = typer.Option(4096, help="docqa: longest document (tokens)"),
+                tool_tokens: int = typer.Option(128, help="agent: mean tool output (tokens)"),
                 block_size: int = typer.Option(16), chunk_tokens: int = typer.Option(64),
                 max_batched: int = typer.Option(512, help="max_num_batched_tokens"),
                 pool_dir: Optional[Path] = typer.Option(None, help="pool on disk: a fresh extent file per "
@@ -85,7 +90,7 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                 seed: int = typer.Option(0),
                 out: Optional[Path] = typer.Option(None, help="output folder (default runs/serve-TIME)"),
                 as_json: bool = typer.Option(False, "--json")) -> None:
-    """Multi-round chat load (N users, Poisson arrivals, seeded): TTFT P50/P90/P99, ITL, throughput, hit split."""
+    """Chat / document-QA / agent load (Poisson arrivals, seeded): TTFT P50/P90/P99, ITL, throughput, hit split."""
     import asyncio
 
     from kvflow.bench.common import out_dir, report, save_figure
@@ -93,7 +98,8 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                                           longest_history_tokens, result_row, run_chat, summarize,
                                           working_set_tokens)
 
-    w = ChatWorkload(users, rounds, rate, system_tokens, user_tokens, answer_tokens, think, seed)
+    w = ChatWorkload(workload, users, rounds, rate, system_tokens, user_tokens, answer_tokens, think, docs, doc_min,
+                     doc_max, tool_tokens, seed)
     w.validate()
     folder = out_dir("serve", out)
     runs, rows, results = {}, [], {"workload": {**{k: getattr(w, k) for k in w.__slots__}}, "runs": {}}
@@ -137,8 +143,9 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
             runs[name] = records
             rows.append(result_row(name, summary, split))
             results["runs"][name] = {"summary": summary, "hit_split": split, "turns": records_json(records)}
-    save_figure(folder / "ttft_cdf.png", draw_cdf(runs))
-    report(results, folder, [("multi-round chat", rows)], as_json, f"results in {folder} (results.json, ttft_cdf.png)")
+    title = {"chat": "multi-round chat", "docqa": "long-document QA", "agent": "agent pipeline"}[workload]
+    save_figure(folder / "ttft_cdf.png", draw_cdf(runs, title))
+    report(results, folder, [(title, rows)], as_json, f"results in {folder} (results.json, ttft_cdf.png)")
 
 
 @bench_app.command("soak")
