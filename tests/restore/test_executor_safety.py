@@ -125,10 +125,10 @@ def test_a_pool_read_that_never_returns_is_a_stall_error_naming_the_load_and_its
     inner, _, context = stored(tiny)
     pool = BlockingPool(inner)
     restorer = Restorer(tiny, pool, cost=synthetic_cost(tiny), calibrate=False)
-    restorer.executor = Executor(tiny, pool, ExecutorConfig(stall_timeout_s=0.5))   # an unthrottled pool: plans load
+    restorer.executor = Executor(tiny, pool, ExecutorConfig(stall_timeout_s=1.0))   # an unthrottled pool: plans load
     try:
         with pytest.raises(KVFlowError, match=r"load of request 0 chunks \d+-\d+ layers \d+-\d+ did not return "
-                                              r"within 0.5 s.*pool device.*memory") as err:
+                                              r"within 1 s.*pool device.*memory") as err:
             restorer.restore(context, ids(3, 4), strategy)
         assert isinstance(err.value, StallError)
     finally:
