@@ -184,8 +184,8 @@ class IOSide:
             return fut.result(timeout=self.sync.stall_s)
         except (FutureTimeout, CancelledError):
             self.stuck = True
-            raise StallError(f"executor stalled: the load of request {r} chunks {chunks[0]}-{chunks[1] - 1} "
-                             f"layers {layers[0]}-{layers[1] - 1} did not return within {self.sync.stall_s:g} s "
+            raise StallError(f"executor stalled: the load of request {r} {_span('chunk', chunks)} "
+                             f"{_span('layer', layers)} did not return within {self.sync.stall_s:g} s "
                              f"(executor.stall_timeout_s){self._devices(keys)}") from None
 
     def _devices(self, keys) -> str:
@@ -193,7 +193,12 @@ class IOSide:
         try:
             digests = {k.digest for k in keys}
             devs = sorted({dev for d, dev, *_ in self.pool.entries() if d in digests})
-            names = [self.pool.stats()["devices"][i]["name"] for i in devs]
+            names = [f"{self.pool.stats()['devices'][i]['name']} (#{i})" for i in devs]
         except Exception:  # a pool without an index to ask: the load alone names the stall
             return ""
         return f"; its records are on pool device{'s' if len(names) > 1 else ''} {', '.join(names)}" if names else ""
+
+
+def _span(what: str, span: tuple[int, int]) -> str:
+    a, b = span
+    return f"{what} {a}" if b - a == 1 else f"{what}s {a}-{b - 1}"
