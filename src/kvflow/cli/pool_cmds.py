@@ -56,10 +56,53 @@ def _show(title: str, st: dict) -> None:
 
 
 @pool_app.command("init")
-def init(config: Path = typer.Argument(..., help="pool config (YAML/TOML) to create the pool from")) -> None:
-    """Create every device (zero-filled extents, device headers), the index, and probe bandwidths."""
+def init(config: Path = typer.Argument(..., help="pool config (YAML/TOML) to create the pool from"),
+         force: bool = typer.Option(False, "--force", help="format the configured devices and index even if they "
+                                                          "exist (everything stored on them is lost)")) -> None:
+    """Create every device (preallocated extents, device headers), the index, and probe bandwidths. Existing files
+    that are not this pool's devices are refused, never overwritten, unless --force."""
+    if force:
+        _format(config)
     with _open(config) as pool:
         _show("pool created", pool.stats())
+
+
+def _format(config: Path) -> None:
+    """--force: remove what the config names so init creates it anew — extent and memory files (a block device's
+    superblocks are zeroed), kvflow files-device folders and the index folder."""
+    import shutil
+
+    from kvflow.pool import PoolConfig
+    from kvflow.pool.devices.base import SUPERBLOCK
+    cfg = PoolConfig.load(_config(config))
+    for dev in cfg.devices:
+        if dev.path is None or not os.path.lexists(dev.path):
+            continue
+        path = Path(dev.path)
+        if dev.type == "files":
+            if path.is_dir() and any(path.iterdir()) and not (path / ".kvflow-device").exists():
+                raise ConfigError(f"{path} is a folder with other files in it, not a kvflow files device; "
+                                  f"--force formats only kvflow devices and files — remove it yourself")
+            shutil.rmtree(path)
+        elif path.is_block_device():
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                size = os.lseek(fd, 0, os.SEEK_END)
+                for at in (0, size // SUPERBLOCK * SUPERBLOCK - SUPERBLOCK):
+                    os.pwrite(fd, bytes(SUPERBLOCK), at)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        elif path.is_dir():
+            raise ConfigError(f"{path} is a folder; a {dev.type} device is a file")
+        else:
+            path.unlink()
+    if cfg.index_dir and os.path.isdir(cfg.index_dir):
+        idx = Path(cfg.index_dir)
+        ours = ("manifest.json", "checkpoint", "lock", "wal.", ".tmp")
+        if any(not any(p.name.startswith(o) or p.name.endswith(o) for o in ours) for p in idx.iterdir()):
+            raise ConfigError(f"{idx} holds other files, not a kvflow index; remove it yourself")
+        shutil.rmtree(idx)
 
 
 @pool_app.command("stat")
@@ -122,7 +165,7 @@ def bench_pool(quick: bool = typer.Option(False, "--quick", help="small sizes, o
                loop_caps: str = typer.Option("1,1,2,4", help="loops: relative kernel caps, one per loop device"),
                loop_base: float = typer.Option(25.0, help="loops: MiB/s of cap 1 (read and write)"),
                loop_data: Optional[int] = typer.Option(None, help="loops: MiB stored per placement "
-                                                                  "(default 256, --quick 64)")) -> None:
+                                                                  "(default 256, --quick 128)")) -> None:
     """Striping vs sum of devices vs equal/overflow (token-bucket check, and on kernel-capped loop devices kvflow
     must probe); passthrough vs files on the real disk; lookup cost; a memory + disk pool."""
     from kvflow.bench import pool_bench

@@ -146,6 +146,7 @@ class Journal:
         self.wal_bytes = 0
         self.manifest_ok = True
         self.had_manifest = True
+        self._created: dict | None = None      # a manifest made by this open, until it is written
         if readonly:
             if not (self.root / "manifest.json").exists():
                 raise ConfigError(f"{self.root} holds no kvflow pool index (create the pool first: kvflow pool init)")
@@ -165,9 +166,12 @@ class Journal:
     # -- manifest -------------------------------------------------------------------------------------------
     def read_manifest(self) -> dict:
         path = self.root / "manifest.json"
+        if self._created is not None:
+            return self._created
         if not path.exists():
             self.had_manifest = False
-            return {"format": 1, "pool_id": uuid.uuid4().hex, "devices": []}
+            self._created = {"format": 1, "pool_id": uuid.uuid4().hex, "devices": []}
+            return self._created
         self.had_manifest = True
         try:
             manifest = json.loads(path.read_text())
@@ -180,10 +184,12 @@ class Journal:
             log.error("pool index %s: manifest.json is corrupt; rebuilding it (records come from a device scan)",
                       self.root)
             self.manifest_ok = False
-            return {"format": 1, "pool_id": uuid.uuid4().hex, "devices": []}
+            self._created = {"format": 1, "pool_id": uuid.uuid4().hex, "devices": []}
+            return self._created
 
     def write_manifest(self, manifest: dict) -> None:
         assert not self.readonly
+        self._created = None
         _atomic_write(self.root / "manifest.json", json.dumps(manifest, indent=1).encode())
 
     # -- recovery -------------------------------------------------------------------------------------------

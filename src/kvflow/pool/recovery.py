@@ -17,14 +17,18 @@ what the devices hold: losing it loses nothing but the time of a scan.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from kvflow.chunks.record import HEADER_SIZE, MAGIC, decode, parse_header
-from kvflow.errors import RecordError
+from kvflow.errors import KVFlowError, RecordError
 from kvflow.pool.allocator import ExtentAllocator, round_up
+from kvflow.pool.devices.base import Owner
 from kvflow.pool.index import Entry, LookupTable
 from kvflow.pool.journal import PUT, Op
 from kvflow.pool.state import PoolState
@@ -32,6 +36,7 @@ from kvflow.pool.state import PoolState
 log = logging.getLogger("kvflow.pool")
 
 SCAN_CHUNK = 8 << 20          # bytes read per step of a device scan
+_NO_POOL = "00" * 16          # a device written before devices named their pool
 _MAGIC = np.frombuffer(MAGIC, dtype=np.uint8)
 
 
@@ -99,6 +104,42 @@ def scan_device(device, ident: int) -> tuple[dict[bytes, Op], int]:
     return found, bad
 
 
+def claim_devices(state: PoolState, manifest: dict, trusted: bool) -> None:
+    """Refuse a device another pool owns; adopt one whose pool's index is this one or gone (a deleted or rebuilt
+    index); then (writable) record this pool as every device's owner, generation + 1. ``manifest["pool_id"]`` becomes
+    the adopted pool's id, so the rebuilt index and its devices agree."""
+    here = os.path.abspath(state.cfg.index_dir)
+    adopted = None
+    for s in state.slots:
+        owner = getattr(s.device, "inner", s.device).owner
+        if s.id is None or owner is None or owner.pool_id in (_NO_POOL, manifest["pool_id"]):
+            continue
+        theirs = Path(owner.index_dir) / "manifest.json"
+        live = owner.index_dir != here and theirs.exists() and _pool_id(theirs) == owner.pool_id
+        if trusted or live or adopted not in (None, owner.pool_id):
+            raise KVFlowError(f"device {s.cfg.name} belongs to another kvflow pool (index {owner.index_dir}); "
+                              f"refusing to open it — use another device, or reformat it with "
+                              f"`kvflow pool init --force`")
+        adopted = owner.pool_id
+    if adopted is not None:
+        log.warning("pool index %s: adopting devices of pool %s (its index is gone)", here, adopted)
+        manifest["pool_id"] = adopted
+    if state.readonly:
+        return
+    for s in state.slots:
+        device = getattr(s.device, "inner", s.device)
+        if s.id is not None:
+            generation = device.owner.generation + 1 if device.owner is not None else 1
+            device.claim(Owner(device.capacity, manifest["pool_id"], s.id, generation, here))
+
+
+def _pool_id(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("pool_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def recover(state: PoolState, rebuild: bool = False) -> ScanReport:
     """Replace ``state.table``, the slots' allocators and ``state.next_seq``. The journal's rows are used where they
     can be trusted; devices are scanned (see the module doc) where they cannot, or all of them with ``rebuild``.
@@ -106,7 +147,9 @@ def recover(state: PoolState, rebuild: bool = False) -> ScanReport:
     the newest. Counts in ``state.counters``; returns what the scan did."""
     journal = state.journal
     rec = journal.recover()
-    known = {d["id"] for d in journal.read_manifest()["devices"]} if journal.had_manifest else set()
+    manifest = journal.read_manifest()
+    claim_devices(state, manifest, trusted=journal.had_manifest and rec.manifest_ok)
+    known = {d["id"] for d in manifest["devices"]} if journal.had_manifest else set()
     slots = state.slots
     report = ScanReport()
     scan_all = rebuild or rec.damaged

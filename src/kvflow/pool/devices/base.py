@@ -15,9 +15,11 @@ from __future__ import annotations
 import os
 import struct
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import xxhash
 
 from kvflow.errors import ConfigError
 
@@ -46,11 +48,52 @@ def pack_superblock(capacity: int) -> bytes:
 
 
 def parse_superblock(data: bytes) -> int | None:
-    """Capacity recorded in a device header, or None when ``data`` is not one."""
+    """Capacity recorded in a device header (either version), or None when ``data`` is not one."""
     if len(data) < _SB.size:
         return None
     magic, version, capacity = _SB.unpack_from(data)
-    return capacity if magic == _SB_MAGIC and version == 1 else None
+    if magic != _SB_MAGIC:
+        return None
+    if version == 1:
+        return capacity
+    owner = parse_owner(data)
+    return owner.capacity if owner is not None else None
+
+
+# Version 2: the device says which pool owns it. Kept twice (first and last 4 KiB of the device) with a checksum,
+# so a zeroed or torn primary is recovered from the backup and never mistaken for a new device.
+#   magic | version=2 | capacity | pool id (16 B) | device id | generation | index_dir (utf-8) ... | xxh64
+_SB2 = struct.Struct("<4sHxxQ16sHxxxxxxQH")
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    capacity: int
+    pool_id: str          # hex of the manifest's pool id
+    device_id: int        # the device's id in that pool's manifest
+    generation: int       # writable opens so far
+    index_dir: str        # where that pool's index lives
+
+
+def pack_owner(owner: Owner) -> bytes:
+    path = owner.index_dir.encode()[:SUPERBLOCK - _SB2.size - 8]
+    body = _SB2.pack(_SB_MAGIC, 2, owner.capacity, bytes.fromhex(owner.pool_id), owner.device_id, owner.generation,
+                     len(path)) + path
+    body = body.ljust(SUPERBLOCK - 8, b"\0")
+    return body + xxhash.xxh64_intdigest(body).to_bytes(8, "little")
+
+
+def parse_owner(data: bytes) -> Owner | None:
+    """The owner recorded in a version-2 device header, or None (not one, or its checksum fails)."""
+    if len(data) < SUPERBLOCK:
+        return None
+    body = bytes(data[:SUPERBLOCK - 8])
+    if int.from_bytes(data[SUPERBLOCK - 8:SUPERBLOCK], "little") != xxhash.xxh64_intdigest(body):
+        return None
+    magic, version, capacity, pool_id, device_id, generation, n = _SB2.unpack_from(body)
+    if magic != _SB_MAGIC or version != 2:
+        return None
+    return Owner(capacity, pool_id.hex(), device_id, generation, body[_SB2.size:_SB2.size + n].decode(errors="replace"))
 
 
 def not_a_device(path: str) -> ConfigError:
@@ -71,6 +114,7 @@ class Device(ABC):
         self.capacity = (cfg.capacity or 0) // ALIGN * ALIGN
         self.fresh = True             # created by this open: nothing stored on it survives from before
         self.intact_bytes: int | None = None   # set when a file was found truncated: data beyond it is gone
+        self.owner: Owner | None = None        # the pool this device says it belongs to (None: not recorded)
 
     @abstractmethod
     def read(self, offset: int, length: int) -> torch.Tensor:
@@ -88,6 +132,9 @@ class Device(ABC):
 
     def discard(self, offset: int) -> None:
         """The extent at ``offset`` was freed (called under the pool lock, before it can be handed out again)."""
+
+    def claim(self, owner: Owner) -> None:
+        """Record ``owner`` durably on the device (devices that cannot record one ignore it)."""
 
     def close(self) -> None:
         pass

@@ -2,7 +2,11 @@
 with one ``os.preadv``/``os.pwritev`` each between page-aligned buffers and 4 KiB-aligned offsets the pool's extent
 allocator chose — no per-record files, no open/stat/close, no page cache on the read path.
 
-    [ superblock 4 KiB | data: capacity bytes, addressed by the pool as offsets 0 .. capacity ]
+    [ superblock 4 KiB | data: capacity bytes, addressed by the pool as offsets 0 .. capacity | backup superblock ]
+
+The superblock names the owning pool (id, device id, generation, index folder) and is kept twice, so a zeroed first
+page is recovered from the last one. A file that exists without a kvflow superblock is refused, never zero-filled
+(``kvflow pool init --force`` formats it); a writer holds an flock on the device.
 
 Works on a regular file (zero-filled once at creation so first writes do not allocate blocks) and on a block
 device, e.g. a loop device: ``losetup --direct-io=on --sector-size 4096 -f --show disk.img``.
@@ -11,14 +15,19 @@ device, e.g. a loop device: ``losetup --direct-io=on --sector-size 4096 -f --sho
 from __future__ import annotations
 
 import errno
+import fcntl
+import logging
 import os
 import stat
+from dataclasses import replace
 
 import torch
 
 from kvflow.errors import ConfigError, RecordError
-from kvflow.pool.devices.base import (SUPERBLOCK, Device, aligned_empty, file_size, not_a_device, pack_superblock,
-                                      padded, parse_superblock)
+from kvflow.pool.devices.base import (SUPERBLOCK, Device, Owner, aligned_empty, file_size, not_a_device, pack_owner,
+                                      padded, parse_owner, parse_superblock)
+
+log = logging.getLogger("kvflow.pool")
 
 _ZERO_STEP = 8 << 20
 
@@ -43,20 +52,41 @@ class ExtentDevice(Device):
                                   f"disk filesystem (ext4, xfs) or a block device, or set direct: false") from None
             raise ConfigError(f"{path}: cannot open extent device: {err.strerror}") from None
         try:
-            self._open_layout(path, readonly)
+            if not readonly:
+                self._lock(path)
+            self._open_layout(path, readonly, exists)
         except BaseException:
             os.close(self._fd)
+            if not exists and not self.block_device:
+                os.unlink(path)          # a file this open created and could not finish is not left behind
             raise
 
-    def _open_layout(self, path: str, readonly: bool) -> None:
+    def _lock(self, path: str) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"{path} is in use by another writable kvflow pool (an extent device has one "
+                              f"writer; open other pools read-only)") from None
+
+    def _open_layout(self, path: str, readonly: bool, existed: bool) -> None:
         have = file_size(self._fd)
         head = self._pread_aligned(SUPERBLOCK, 0) if have >= SUPERBLOCK else b""
-        recorded = parse_superblock(head)
+        recorded, self.owner = parse_superblock(head), parse_owner(head)
+        last = (have // SUPERBLOCK - 1) * SUPERBLOCK
+        if recorded is None and last >= SUPERBLOCK:          # a zeroed or torn primary: the backup says what it is
+            self.owner = parse_owner(self._pread_aligned(SUPERBLOCK, last))
+            if self.owner is not None:
+                recorded = self.owner.capacity
+                log.warning("%s: primary superblock damaged; recovered from the backup copy", path)
+                if not readonly:
+                    self._pwrite_aligned(pack_owner(self.owner), 0)
         self.fresh = recorded is None
-        if self.fresh and any(head):
-            raise not_a_device(path)
+        if self.fresh and (any(head) or (have > 0 and not self.block_device)):
+            raise not_a_device(path)          # never zero-fill what may be someone's data (kvflow pool init --force)
         if self.block_device:
-            self.capacity = min(self.cfg.capacity or have, have - SUPERBLOCK) // SUPERBLOCK * SUPERBLOCK
+            self.capacity = min(self.cfg.capacity or have, have - 2 * SUPERBLOCK) // SUPERBLOCK * SUPERBLOCK
+            if not self.fresh:
+                self.capacity = min(self.capacity, recorded)
         elif not self.cfg.capacity:
             if recorded is None:
                 raise ConfigError(f"{path}: capacity is required to create an extent file")
@@ -66,16 +96,50 @@ class ExtentDevice(Device):
                 raise ConfigError(f"{path} is not an initialised kvflow extent device (run kvflow pool init)")
             self.capacity = min(self.capacity, max(have - SUPERBLOCK, 0))
             return
-        size = SUPERBLOCK + self.capacity
-        if not self.block_device:
-            if not self.fresh and have < size:
+        size = 2 * SUPERBLOCK + self.capacity           # superblock | data | backup superblock
+        if self.block_device:
+            self._backup_at = have // SUPERBLOCK * SUPERBLOCK - SUPERBLOCK
+        else:
+            self._backup_at = size - SUPERBLOCK
+            if not self.fresh and have < size - SUPERBLOCK:
                 self.intact_bytes = max(have - SUPERBLOCK, 0)
-            if have != size:
+            if self.fresh:
+                self._reserve(path, size)
+            elif have != size:
                 os.ftruncate(self._fd, size)
-            if self.fresh and self.cfg.zero_fill:
-                self._zero(0, self.capacity)
-        self._pwrite_aligned(pack_superblock(self.capacity), 0)
+        if self.owner is None:                           # new, or written by a kvflow without owners
+            self.owner = Owner(self.capacity, "00" * 16, 0, 0, "")
+        self._write_superblocks(replace(self.owner, capacity=self.capacity))
+        if self.fresh and self.cfg.zero_fill:
+            self._zero(0, self.capacity)
+
+    def _reserve(self, path: str, size: int) -> None:
+        """A new file gets its whole capacity now, or a clear error: free space is checked first, then the blocks
+        are allocated (fallocate), so a full disk is an error at init, not ENOSPC under later writes."""
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        free = st.f_bavail * st.f_frsize
+        if size > free:
+            raise ConfigError(f"{path}: capacity {self.capacity / 2**20:,.0f} MiB does not fit the "
+                              f"{free / 2**20:,.0f} MiB free on its file system")
+        os.ftruncate(self._fd, size)
+        if self.cfg.zero_fill:
+            try:
+                os.posix_fallocate(self._fd, 0, size)
+            except OSError as err:
+                os.ftruncate(self._fd, 0)
+                raise ConfigError(f"{path}: cannot allocate {size / 2**20:,.0f} MiB: {err.strerror}") from None
+
+    def _write_superblocks(self, owner: Owner) -> None:
+        self.owner = owner
+        block = pack_owner(owner)
+        self._pwrite_aligned(block, 0)
+        self._pwrite_aligned(block, self._backup_at)
         os.fsync(self._fd)
+
+    def claim(self, owner: Owner) -> None:
+        """Make this device ``owner``'s (primary and backup superblock, fsynced)."""
+        if not self.readonly:
+            self._write_superblocks(replace(owner, capacity=self.capacity))
 
     def _zero(self, start: int, end: int) -> None:
         zeros = aligned_empty(min(_ZERO_STEP, max(end - start, SUPERBLOCK))).zero_()
@@ -104,7 +168,14 @@ class ExtentDevice(Device):
         view, pos = buf.numpy(), SUPERBLOCK + offset
         done = 0
         while done < len(view):
-            done += os.pwritev(self._fd, [view[done:]], pos + done)
+            n = os.pwritev(self._fd, [view[done:]], pos + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"{self.name}: write at {offset} made no progress")
+            done += n
+            if done < len(view) and done % SUPERBLOCK:
+                # O_DIRECT needs aligned buffers, offsets and lengths: resubmit from the last whole page, not from
+                # an unaligned view (which the kernel refuses with EINVAL)
+                done -= done % SUPERBLOCK
 
     def sync(self) -> None:
         if not self.readonly:

@@ -5,15 +5,17 @@ after it is written or read, so repeated benchmark reads measure the disk, not m
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
 import time
+from dataclasses import asdict, replace
 
 import torch
 
 from kvflow.errors import ConfigError, RecordError
-from kvflow.pool.devices.base import Device, aligned_empty
+from kvflow.pool.devices.base import Device, Owner, aligned_empty
 
 _MARKER = ".kvflow-device"
 
@@ -32,8 +34,22 @@ class FilesDevice(Device):
             if os.path.isdir(self.root) and os.listdir(self.root):
                 raise ConfigError(f"{self.root} exists, is not empty and is not a kvflow device")
             os.makedirs(self.root, exist_ok=True)
-            with open(marker, "w") as f:
-                json.dump({"capacity": self.capacity}, f)
+            self._write_marker(None)
+        elif not self.fresh:
+            try:
+                with open(marker) as f:
+                    owner = json.load(f).get("owner")
+                self.owner = Owner(**owner) if isinstance(owner, dict) else None
+            except (OSError, ValueError, TypeError):
+                self.owner = None    # an unreadable marker names no owner; the records still describe themselves
+        self._lockfd = -1
+        if not readonly:             # one writer per device, as for extents
+            self._lockfd = os.open(marker, os.O_RDONLY)
+            try:
+                fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(self._lockfd)
+                raise ConfigError(f"{self.root} is in use by another writable kvflow pool") from None
         self._dirty: set[str] = set()
         self._lock = threading.Lock()
         self.meta_s = 0.0   # time in open/close/fadvise (filesystem work), summed over threads
@@ -82,6 +98,26 @@ class FilesDevice(Device):
             os.close(fd)
         self._account(t1 - t0 + time.perf_counter() - t2, t2 - t1)
 
+    def _write_marker(self, owner: Owner | None) -> None:
+        """The marker that makes the folder a device, written durably (temp file, fsync, rename, fsync folder)."""
+        marker = os.path.join(self.root, _MARKER)
+        tmp = marker + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"capacity": self.capacity, "owner": None if owner is None else asdict(owner)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, marker)
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.owner = owner
+
+    def claim(self, owner: Owner) -> None:
+        if not self.readonly:
+            self._write_marker(replace(owner, capacity=self.capacity))
+
     def record_offsets(self) -> list[int]:
         """Offsets of every record file present (for a scan that rebuilds the index), in order."""
         out = []
@@ -123,6 +159,11 @@ class FilesDevice(Device):
         with self._lock:
             self.meta_s += meta
             self.data_s += data
+
+    def close(self) -> None:
+        if self._lockfd >= 0:
+            os.close(self._lockfd)
+            self._lockfd = -1
 
     def describe(self) -> dict:
         return super().describe() | {"path": self.root, "fs_meta_s": self.meta_s, "fs_data_s": self.data_s}
