@@ -197,7 +197,7 @@ def run(quick: bool = False, disk_dir: str | None = None, record_kib: int = 256,
         command: str | None = None) -> dict:
     disk_dir = disk_dir or os.environ.get("KVFLOW_BENCH_DISK", "/var/tmp")
     repeats = 1 if quick else 3       # striping reads are long; the disk runs repeat more (noisier)
-    loops = loops or LoopOptions(data_bytes=(64 if quick else 256) * MiB, repeats=max(repeats, 2))
+    loops = loops or LoopOptions(data_bytes=(128 if quick else 256) * MiB)
     t0 = time.perf_counter()
     results = {
         "command": command or "kvflow bench pool" + (" --quick" if quick else ""),

@@ -56,11 +56,11 @@ def parse_options(only: str | None, caps: str, base_mib: float, data_mib: int | 
         raise ConfigError(f"--loop-caps: 1 to 8 positive numbers, got {caps!r}")
     if not (math.isfinite(base_mib) and 1 <= base_mib <= 10_000):
         raise ConfigError(f"--loop-base: MiB/s between 1 and 10000, got {base_mib!r}")
-    data = data_mib if data_mib is not None else (64 if quick else 256)
+    data = data_mib if data_mib is not None else (128 if quick else 256)
     if not 8 <= data <= 64 * 1024:
         raise ConfigError(f"--loop-data: MiB between 8 and 65536, got {data}")
     return sections, LoopOptions(caps=weights, base=base_mib * MiB, data_bytes=data * MiB,
-                                 repeats=2 if quick else 3)
+                                 repeats=3)
 
 
 def _timed_get(pool: KVPool, keys) -> float:
