@@ -179,12 +179,18 @@ def bench_restore(
     try:
         result["recompute_rate_mib_s"] = bench.recompute_rate / 2**20
         result["rho_sweep"] = rb.sweep_rho(bench, context_len, rho_list, STRATEGIES, repeats, status, latencies)
-        short = [n for n in len_list if n != context_len] + ([context_len] if context_len in len_list else [])
-        result["length_sweep"] = rb.sweep_length(bench, sorted(short), 1.0, STRATEGIES, repeats, status)
-        predicted_crossover = bench.restorer("memory").planner().crossover_length(query_len)  # pool at rho=1
+        # the rho = 1 point of the sweep is the length sweep's point at context_len: measured once
+        reuse = next((p for p in result["rho_sweep"] if p["rho"] == 1.0 and not p["latency_s"]
+                      and p["pool"].startswith("memory")), None) if context_len in len_list else None
+        short = [n for n in len_list if n != context_len or reuse is None]
+        result["length_sweep"] = sorted(rb.sweep_length(bench, sorted(short), 1.0, STRATEGIES, repeats, status)
+                                        + ([reuse] if reuse is not None else []), key=lambda p: p["context"])
+        bench.set_link("memory", 1.0)
+        predicted_crossover = bench.restorer("memory").planner().crossover_length(query_len)
     finally:
         bench.close()
-    for point in result["rho_sweep"] + result["length_sweep"]:
+    points = list({id(p): p for p in result["rho_sweep"] + result["length_sweep"]}.values())  # one may be in both
+    for point in points:
         point["speedups"] = rb.speedups(point["rows"])
     result["crossover"] = rb.crossover(result["length_sweep"])
     result["crossover"]["predicted_tokens"] = predicted_crossover
@@ -196,7 +202,7 @@ def bench_restore(
     plot_timeline(cf["_result"].timeline, folder / "timeline.png",
                   f"cacheflow, {context_len} tokens, rho={one['rho']:g}: {cf['plan']}", 256)
     result["acceptance"] = _acceptance(result, one)
-    for point in result["rho_sweep"] + result["length_sweep"]:
+    for point in points:
         point["rows"] = rb.public(point["rows"])
     write_json(folder / "restore.json", rb.jsonable(result))
     if as_json:
