@@ -1,15 +1,17 @@
 """BatchRunner: one engine step — every scheduled sequence's new tokens (prefill chunks and decodes) in ONE forward
 pass of the model's own decoder layers over the paged KV.
 
-The step's tokens are packed into one row [1, T_step, hidden] (no padding); each layer's attention sees the
-gathered K/V of all the step's sequences [1, H, K_step, D] and an explicit block-diagonal causal mask:
+The step's tokens are packed into one row [1, T_step, hidden] (no padding). Each layer's cache ``update`` writes the
+new K/V into their slots and returns the gathered K/V of all the step's sequences [1, H, K_step, D]; attention
+(attention.py) then runs per sequence on its own slice, so token q of sequence s attends exactly to positions <= q
+of s, as in its own full prefill:
 
-    keys  ->   | seq A: 0..a+n_a |  seq B: 0..b+1  |
-    A's rows   |  k <= q (causal)|   masked        |
-    B's row    |    masked       |  k <= q         |
+    packed queries   | A: a .. a+n_a-1 | B: b | C: 0 .. n_c-1 |
+    gathered keys    | A: 0 .. a+n_a-1 | B: 0 .. b | C: 0 .. n_c-1 |
+                       A's rows see A's keys only (causal), B's row B's keys, ...
 
-so token q of sequence s attends exactly to positions <= q of s, as in its own full prefill. Linear layers (most
-of the FLOPs and all weight reads) run once for the whole step; that is where batched decode gains.
+Linear layers (most of the FLOPs and all weight reads) run once for the whole step; that is where batched decode
+gains.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflow.engine.attention import Segment, packed, segment_mask
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.model.runner import ModelRunner
 
@@ -57,35 +60,28 @@ class BatchRunner:
         """Run the step; returns fp32 logits [n_sample, vocab] of the items with ``sample``, in order."""
         assert items
         cache = self.cache
-        ids, qpos, qseg, kpos, kseg, write, read, last = [], [], [], [], [], [], [], []
-        offset = 0
-        for s, it in enumerate(items):
+        ids, qpos, write, read, last, segments = [], [], [], [], [], []
+        q0 = k0 = 0
+        windows = set(self._windows)
+        for it in items:
             n, end = len(it.token_ids), it.start + len(it.token_ids)
             ids.extend(it.token_ids)
             qpos.append(torch.arange(it.start, end))
-            qseg.append(torch.full((n,), s))
-            kpos.append(torch.arange(0, end))
-            kseg.append(torch.full((end,), s))
             write.append(cache.slots(it.block_table, it.start, end))
             read.append(cache.slots(it.block_table, 0, end))
-            offset += n
+            segments.append(Segment(q0, q0 + n, k0, k0 + end, {w: segment_mask(it.start, n, w) for w in windows}))
+            q0, k0 = q0 + n, k0 + end
             if it.sample:
-                last.append(offset - 1)
-        qpos, qseg, kpos, kseg = (torch.cat(x) for x in (qpos, qseg, kpos, kseg))
+                last.append(q0 - 1)
         slot = _StepSlot(cache, torch.cat(write), torch.cat(read))
-        allowed = (qseg[:, None] == kseg[None, :]) & (kpos[None, :] <= qpos[:, None])
-        masks: dict[int | None, torch.Tensor] = {}
-        with torch.inference_mode():
+        with torch.inference_mode(), packed(self.runner.hf_model.config):
             hidden = self._base.embed_tokens(torch.tensor(ids, dtype=torch.long).view(1, -1))
-            position_ids = qpos.view(1, -1)
+            position_ids = torch.cat(qpos).view(1, -1)
             position_embeddings = self._base.rotary_emb(hidden, position_ids)
-            for layer, module in enumerate(self.runner.layers):
-                window = self._windows[layer]
-                if window not in masks:
-                    m = allowed if window is None else allowed & ((qpos[:, None] - kpos[None, :]) < window)
-                    masks[window] = m.view(1, 1, *m.shape)
-                hidden = module(hidden, attention_mask=masks[window], position_ids=position_ids,
-                                position_embeddings=position_embeddings, use_cache=True, **{self._cache_kw: slot})
+            for module in self.runner.layers:
+                hidden = module(hidden, attention_mask=None, position_ids=position_ids,
+                                position_embeddings=position_embeddings, use_cache=True,
+                                kvflow_segments=segments, kvflow_windows=self._windows, **{self._cache_kw: slot})
                 if isinstance(hidden, tuple):
                     hidden = hidden[0]
             if not last:
