@@ -15,3 +15,13 @@ class ModelError(KVFlowError):
 
 class RecordError(KVFlowError):
     """A stored KV record is corrupt, truncated, or belongs to another key or model."""
+
+
+class StoreError(KVFlowError):
+    """A put could not make every record durable (strict mode): names the device and the cause. ``stored`` records
+    of the put were stored and are served; ``failed`` were not."""
+
+    def __init__(self, message: str, stored: int = 0, failed: int = 0):
+        super().__init__(message)
+        self.stored = stored
+        self.failed = failed

@@ -40,6 +40,11 @@ class StoreResult:
     bytes_written: int     # KV records
     seconds: float
     act_bytes_written: int = 0   # boundary activation records
+    records_not_stored: int = 0  # records the pool could not store (relaxed pool: failed writes; strict raises)
+
+    @property
+    def complete(self) -> bool:
+        return self.records_not_stored == 0
 
 
 ACT_DTYPE = torch.float32   # boundary activations: recomputing from a rounded activation would not be exact
@@ -121,18 +126,19 @@ class Restorer:
         present = self.pool.contains(flat + acts)
         missing = [k for k, ok in zip(flat, present) if not ok]
         missing_acts = [k for k, ok in zip(acts, present[len(flat):]) if not ok]
-        written = act_written = 0
+        written = act_written = not_stored = 0
         if missing or missing_acts:
             n = len(keys) * self.chunk_tokens
             cache, hidden = self._prefill_capturing(ids[:n], boundaries)
             items = {k: cache.read_block(k.tokens, k.layers) for k in missing}
-            self.pool.put_many(items, dtype=self._dtype())
+            stored = self.pool.put_many(items, dtype=self._dtype())     # strict pools raise StoreError instead
             written = sum(HEADER_SIZE + t.numel() * self._dtype().itemsize for t in items.values())
             act_items = {k: hidden[k.layers[0]][:, k.tokens[0]:k.tokens[1]] for k in missing_acts}
-            self.pool.put_many(act_items, dtype=ACT_DTYPE)
+            stored += self.pool.put_many(act_items, dtype=ACT_DTYPE)
             act_written = sum(HEADER_SIZE + t.numel() * ACT_DTYPE.itemsize for t in act_items.values())
+            not_stored = len(items) + len(act_items) - stored
         return StoreResult(len(keys) * self.chunk_tokens, len({k.tokens for k in missing + missing_acts}), written,
-                           time.perf_counter() - t0, act_written)
+                           time.perf_counter() - t0, act_written, not_stored)
 
     def _prefill_capturing(self, ids: torch.Tensor, boundaries: list[int]):
         """Chunked prefill of ``ids`` that also keeps the hidden states entering each boundary layer."""

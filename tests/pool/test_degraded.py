@@ -1,11 +1,13 @@
 """An unreadable device degrades the pool instead of failing it: its records become misses, after a few errors in
-a row it leaves service (no new placements, contains() says no), failed writes are skipped — never an exception."""
+a row it leaves service (no new placements, contains() says no); a failed write raises StoreError in strict mode
+(the rest of the put is stored) and is counted in relaxed mode."""
 
 import errno
 
 import pytest
 import torch
 
+from kvflow.errors import StoreError
 from kvflow.pool import KVPool
 from kvflow.pool.devices import DEVICE_TYPES, MemoryDevice
 
@@ -56,8 +58,9 @@ def test_records_on_a_failing_device_are_misses_and_the_rest_is_served(pool):
 def test_after_a_device_leaves_service_new_records_go_elsewhere(pool):
     BrokenMemory.broken = True
     keys = context_keys(12)
-    stored = pool.put_many({k: tensor_for(k) for k in keys})    # some writes fail: skipped, not raised
-    assert stored + pool.stats()["put_errors"] == len(keys)
+    with pytest.raises(StoreError, match="broken") as err:       # strict: a failed write is an error, not a count
+        pool.put_many({k: tensor_for(k) for k in keys})
+    assert err.value.stored + err.value.failed == len(keys) == err.value.stored + pool.stats()["put_errors"]
     pool.put_many({k: tensor_for(k) for k in keys})
     assert all(dev == 0 for _, dev, *_ in pool.entries())
     assert all(v is not None for v in pool.get_many(keys).values())

@@ -20,6 +20,7 @@ Anonymous memory devices are volatile and never logged.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -32,7 +33,7 @@ import torch
 
 from kvflow.chunks.keys import ChunkKey, layer_tail, prefix_hashes, record_digest
 from kvflow.chunks.record import DTYPE_CODES, HEADER_SIZE, decode, encode_into, parse_header, record_size
-from kvflow.errors import ConfigError, KVFlowError, RecordError
+from kvflow.errors import ConfigError, KVFlowError, RecordError, StoreError
 from kvflow.pool import eviction
 from kvflow.pool.allocator import ExtentAllocator, round_up
 from kvflow.pool.config import PoolConfig
@@ -49,7 +50,21 @@ from kvflow.pool.striping import make_placement
 log = logging.getLogger("kvflow.pool")
 
 _UNHEALTHY_AFTER = 3       # consecutive I/O errors before a device is taken out of service
+_REPROBE_S = 30.0          # a device out of service is tried again this long after it left
+_RETRIES = 2               # a transient I/O error is retried this many times before it counts
+_TRANSIENT = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT}
 _DEFAULT_BW = 1e9          # assumed when a device was never probed (read-only open of an unprobed pool)
+
+
+def _retry(fn, *args):
+    """``fn(*args)``, again after a transient OSError (up to _RETRIES times, short backoff)."""
+    for attempt in range(_RETRIES + 1):
+        try:
+            return fn(*args)
+        except OSError as err:
+            if err.errno not in _TRANSIENT or attempt == _RETRIES:
+                raise
+            time.sleep(0.002 * (attempt + 1))
 
 
 def _check_key(key) -> None:
@@ -71,6 +86,7 @@ class KVPool:
         self._closed = False
         self._manifest: dict = {"devices": []}
         self._placement = None
+        self._down: dict[int, float] = {}        # device -> when it left service (re-probed after _REPROBE_S)
         try:
             self._open()
         except BaseException:
@@ -185,7 +201,9 @@ class KVPool:
     def put_many(self, items: Mapping[ChunkKey, torch.Tensor], dtype: torch.dtype | None = None) -> int:
         """Store records (in the given order, which striping follows); keys already stored are kept as they are.
         Returns the number of records written. A full pool evicts least recently used records; a record that
-        fits nowhere (every candidate pinned by readers) is skipped, never an error."""
+        fits nowhere (every candidate pinned by readers) is skipped, never an error. A write or sync that fails:
+        strict mode raises StoreError (naming the device and the cause; the records that were stored stay stored),
+        relaxed mode returns the smaller count and counts the rest in ``put_errors``."""
         if self.readonly:
             raise KVFlowError("this pool is open read-only")
         st = self._state
@@ -199,6 +217,11 @@ class KVPool:
                                 f"not a torch.Tensor")
             if tensor.dim() > 6:
                 raise RecordError(f"record {key.hex}: a tensor of {tensor.dim()} dims (records hold at most 6)")
+            if (length := record_size(tensor.shape, dtype)) > (largest := max(s.alloc.capacity for s in st.slots)):
+                raise RecordError(f"record {key.hex} of {length:,} bytes is larger than every device of this pool "
+                                  f"(largest: {largest:,} bytes)")
+        if self._down:
+            self._revive()
         plan, dels = [], []
         with st.lock:
             self._check_open()
@@ -217,19 +240,26 @@ class KVPool:
                 st.next_seq += 1
             eviction.log_and_discard(st, dels)          # before any freed extent is overwritten below
         futures = [(p, st.slots[p[2]].io.submit(self._write_one, *p, dtype)) for p in plan]
-        done, failed, unexpected = [], [], None
+        done, failed, unexpected, causes = [], [], None, {}
         for p, fut in futures:
             try:
                 done.append((p, fut.result()))
             except OSError as err:
                 failed.append(p)
+                causes.setdefault(p[2], err)
                 self._io_error(p[2], err, "write")
             except Exception as err:     # a bug: free its extent like a failed write, then raise it
                 failed.append(p)
                 unexpected = err
         if self.cfg.durability == "strict":
             for i in {p[2] for p, _ in done}:
-                st.slots[i].device.sync()
+                try:
+                    st.slots[i].device.sync()
+                except OSError as err:   # not durable: these records are not acknowledged (their extents freed)
+                    causes.setdefault(i, err)
+                    self._io_error(i, err, "sync")
+                    failed += [p for p, _ in done if p[2] == i]
+                    done = [(p, c) for p, c in done if p[2] != i]
         with st.lock:
             ops = []
             for (key, _t, dev, off, length, seq), checksum in done:
@@ -250,9 +280,19 @@ class KVPool:
             st.counters["put_bytes"] += sum(p[4] for p, _ in done)
             st.counters["put_errors"] += len(failed)
         if self.cfg.durability == "strict" and st.journal is not None and ops:
-            st.journal.sync()
+            try:
+                st.journal.sync()
+            except OSError as err:
+                raise StoreError(f"pool index {self.cfg.index_dir}: the log could not be made durable "
+                                 f"({err.strerror or err}); {len(done)} records of this put may be lost on a crash",
+                                 0, len(done) + len(failed)) from None
         if unexpected is not None:
             raise unexpected
+        if causes and self.cfg.durability == "strict":
+            dev, err = next(iter(causes.items()))
+            raise StoreError(f"device {st.slots[dev].device.name}: {len(failed)} of {len(plan)} records could not "
+                             f"be stored ({err.strerror or err}); the other {len(done)} are stored",
+                             len(done), len(failed))
         return len(done)
 
     def get_many(self, keys: Iterable[ChunkKey]) -> dict[ChunkKey, torch.Tensor | None]:
@@ -263,6 +303,8 @@ class KVPool:
         for key in keys:
             _check_key(key)
         out: dict[ChunkKey, torch.Tensor | None] = dict.fromkeys(keys)
+        if self._down:
+            self._revive()
         plan = []
         with st.lock:
             self._check_open()
@@ -501,11 +543,34 @@ class KVPool:
             s.errors_in_row += 1
             if s.healthy and s.errors_in_row >= _UNHEALTHY_AFTER:
                 s.healthy = False
+                self._down[dev] = time.monotonic()
                 log.error("pool: device %s failed %d %ss in a row (%s); its records are misses now",
                           s.device.name, s.errors_in_row, what, err)
                 self._reweigh()
             else:
                 log.warning("pool: %s error on %s: %s", what, s.device.name, err)
+
+    def _revive(self) -> None:
+        """Devices out of service for _REPROBE_S get one small read; one that answers is back in service (a
+        transient fault must not make its records misses for the rest of the process)."""
+        now = time.monotonic()
+        for dev, since in list(self._down.items()):
+            if now - since < _REPROBE_S:
+                continue
+            s = self._state.slots[dev]
+            try:
+                s.device.inner.read(0, s.device.align)
+            except RecordError:
+                pass                     # answered (with no record there): the device itself works
+            except OSError as err:
+                self._down[dev] = now
+                log.info("pool: device %s still fails (%s); next try in %.0f s", s.device.name, err, _REPROBE_S)
+                continue
+            with self._state.lock:
+                s.healthy, s.errors_in_row = True, 0
+                self._down.pop(dev, None)
+                self._reweigh()
+            log.warning("pool: device %s answers again; back in service", s.device.name)
 
     def _reweigh(self) -> None:
         weights = [s.read_bw if s.healthy else 0.0 for s in self._state.slots]
@@ -520,14 +585,14 @@ class KVPool:
         encode_into(buf.numpy(), key, tensor.detach(), seq, dtype)
         if buf.numel() > length:
             buf[length:].zero_()
-        slot.device.commit(offset, buf)
+        _retry(slot.device.commit, offset, buf)
         slot.errors_in_row = 0
         return parse_header(buf[:HEADER_SIZE].numpy()).checksum
 
     def _read_one(self, key: ChunkKey, entry: Entry) -> torch.Tensor:
         """Worker thread. One read into a fresh page-aligned buffer (GIL released), then verify against the key."""
         slot = self._state.slots[entry.dev]
-        data = slot.device.read(entry.offset, entry.length)
+        data = _retry(slot.device.read, entry.offset, entry.length)
         header, tensor = decode(data.numpy(), expect=key)
         if header.seq != entry.seq:
             raise RecordError(f"record sequence {header.seq} differs from the index ({entry.seq}): stale extent")
