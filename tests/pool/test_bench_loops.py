@@ -23,6 +23,17 @@ def test_without_capped_loops_the_section_is_one_note_and_the_report_still_rende
     pool_bench.figure(results, tmp_path / "pool.png")          # nothing to draw: no figure, no error
 
 
+def test_a_rig_that_cannot_be_set_up_is_a_note_too(monkeypatch, tmp_path):
+    monkeypatch.setattr(loopdev, "unavailable", lambda: None)
+
+    def refuse(self):
+        raise OSError("losetup --find: could not find any free loop device")
+    monkeypatch.setattr(loopdev.CappedLoops, "start", refuse)
+    out = kernel_capped_loops(LoopOptions(data_bytes=8 * MiB), str(tmp_path), lambda s: None)
+    assert out == {"skipped": "kernel-capped loop devices skipped: could not set them up "
+                              "(losetup --find: could not find any free loop device)"}
+
+
 needs_rig = pytest.mark.skipif(loopdev.unavailable() is not None, reason=f"{loopdev.unavailable()}")
 
 

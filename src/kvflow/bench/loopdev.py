@@ -3,6 +3,7 @@ kernel — a cgroup v1 blkio throttle (read and write bytes/s per device) on a c
 the run. Nothing of the caps reaches kvflow: the pool sees raw /dev/loopN and must probe them.
 
     with CappedLoops(folder, size, read_caps, write_caps) as rig:    # mkdir cgroup, join it, attach + cap devices
+                                                                       # (or rig.start() first to handle set-up errors)
         rig.devices                 # [LoopDevice(path=/dev/loop3, ...), ...]  (device i capped at read_caps[i])
         rig.renew()                 # fresh, empty devices with the same caps (for the next pool)
     # always, also on an exception, Ctrl-C or SIGTERM: back to the old cgroup, losetup -d, rmdir, files removed
@@ -79,6 +80,10 @@ class CappedLoops:
 
     # -- set-up ---------------------------------------------------------------------------------------------
     def __enter__(self) -> CappedLoops:
+        return self if self.cgroup is not None else self.start()
+
+    def start(self) -> CappedLoops:
+        """Set up (what ``with`` does); an OSError here leaves nothing behind."""
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, _interrupt)   # SIGTERM tears down like Ctrl-C
         try:

@@ -88,9 +88,14 @@ def kernel_capped_loops(opts: LoopOptions, disk_dir: str, progress: Progress) ->
     size = int(moved * 1.25) // MiB * MiB + 160 * MiB      # overflow may put everything on one device, + probe room
     out: dict = {"options": {**asdict(opts), "caps": list(opts.caps)}, "caps": caps, "bytes": moved,
                  "records": len(keys), "device_bytes": size, "placements": {}}
+    rig = loopdev.CappedLoops(disk_dir, size, caps, caps)
+    try:
+        rig.start()
+    except OSError as err:                                  # e.g. every loop device in use, cgroup refused
+        return {"skipped": f"kernel-capped loop devices skipped: could not set them up ({err})"}
     idx = tempfile.mkdtemp(prefix="kvflow-loop-index-", dir=disk_dir)
     try:
-        with loopdev.CappedLoops(disk_dir, size, caps, caps) as rig:
+        with rig:
             out["cgroup"] = str(rig.cgroup)
             out["loop_devices"] = [d.path for d in rig.devices]
             out["direct_io"] = [_dio(d.path) for d in rig.devices]
