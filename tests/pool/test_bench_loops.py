@@ -65,3 +65,22 @@ def test_the_mixed_pool_reports_each_device_alone_and_the_striped_ratio(tmp_path
     assert m["ratio_to_sum"] == pytest.approx(m["read_bw"] / sum(m["pool_alone_bw"]))
     (title, rows), = pool_bench.tables({"mixed": m})
     assert [r["device"] for r in rows] == ["memory", "extent (disk)", "striped (both)"]
+
+
+@needs_rig
+def test_sigterm_during_a_run_still_tears_the_rig_down(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f"""
+        import os, signal, time
+        from kvflow.bench import loopdev
+        with loopdev.CappedLoops({str(tmp_path)!r}, 8 << 20, [20 << 20]) as rig:
+            print(rig.cgroup, rig.devices[0].file, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "KeyboardInterrupt" in run.stderr
+    cgroup, file = run.stdout.split()
+    assert not Path(cgroup).exists() and not _attached(file) and not Path(file).exists()
