@@ -121,10 +121,10 @@ def stat(config: Optional[Path] = ConfigArg,
 def probe(config: Optional[Path] = ConfigArg,
           size: Optional[str] = typer.Option(None, help="bytes per device, e.g. 256M (default: config)")) -> None:
     """Measure every device's read/write bandwidth again (on free space) and store it for placement."""
-    from kvflow.config import _parse_size
+    from kvflow.config import parse_size
     with _open(config) as pool:
         for i in range(len(pool.stats()["devices"])):
-            if pool.probe(i, _parse_size(size, "--size") if size else None) is None:
+            if pool.probe(i, parse_size(size, "--size") if size else None) is None:
                 Console().print(f"device {i}: no free space to probe; kept its previous bandwidth")
         _show("pool probed", pool.stats())
 
