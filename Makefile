@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.kvflow-installed
 
-.PHONY: demo test setup clean bench-quick reliability
+.PHONY: demo test setup clean bench-quick reliability redis
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,7 +22,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvflow demo
 
-test: $(STAMP)
+# The remote-tier tests start their own Redis servers (tests/remote/redis_procs.py): Debian's redis-server, installed
+# here when missing (the system service is not used); without it those tests skip and say why.
+redis:
+	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		redis-server) || echo "redis-server could not be installed: the remote-tier tests will skip"
+
+test: $(STAMP) redis
 	$(BIN)/python -m pytest
 
 # The full reliability campaign (root for loop devices): 2,000 generated bad inputs, then >= 500 kill -9 trials,
