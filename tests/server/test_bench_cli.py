@@ -17,11 +17,12 @@ def test_bench_decode_reports_the_same_tokens_batched_and_alone(tmp_path, capsys
 
 def test_bench_serve_drives_a_multi_round_chat_through_the_openai_client(tmp_path):
     assert main(["bench", "serve", "--configs", "resident", "--users", "2", "--rounds", "2", "--rate", "50",
+                 "--repeats", "2",
                  "--system-tokens", "16", "--user-tokens", "8", "--answer-tokens", "3", "--think", "0",
                  "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
     run = res["runs"]["resident"]
-    assert run["summary"]["requests"] == 4 and run["summary"]["errors"] == 0
+    assert run["summary"]["requests"] == 8 and run["summary"]["errors"] == 0 and len(run["rounds"]) == 2
     assert all(t["output_tokens"] == 3 for t in run["turns"])
     assert run["hit_split"]["resident"] > 0                  # the second turn reuses the first turn's blocks
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 0

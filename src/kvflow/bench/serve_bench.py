@@ -289,6 +289,16 @@ def summarize(records: list[TurnRecord], wall_s: float) -> dict:
             "wall_s": wall_s}
 
 
+def median_summary(summaries: list[dict]) -> dict:
+    """Per-field median over repeated rounds of one configuration (counts summed)."""
+    out = {}
+    for key in summaries[0]:
+        values = [s[key] for s in summaries]
+        out[key] = sum(values) if key in ("requests", "errors", "prompt_tokens") else float(np.median(values))
+    out["rounds"] = len(summaries)
+    return out
+
+
 # ----------------------------------------------------------------------------- in-process kvflow server
 def _free_port() -> int:
     with socket.socket() as s:

@@ -88,6 +88,8 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                                                         "configuration under this folder (default: in memory)"),
                 rho: Optional[float] = typer.Option(None, help="throttle the pool to rho x the recompute rate"),
                 seed: int = typer.Option(0),
+                repeats: int = typer.Option(1, help="in-process: rounds over all configurations, alternated "
+                                            "(medians reported)"),
                 out: Optional[Path] = typer.Option(None, help="output folder (default runs/serve-TIME)"),
                 as_json: bool = typer.Option(False, "--json")) -> None:
     """Chat / document-QA / agent load (Poisson arrivals, seeded): TTFT P50/P90/P99, ITL, throughput, hit split."""
@@ -95,7 +97,8 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
 
     from kvflow.bench.common import out_dir, report, save_figure
     from kvflow.bench.serve_bench import (ChatWorkload, LocalServer, draw_cdf, kvflow_engine, records_json,
-                                          longest_history_tokens, result_row, run_chat, summarize,
+                                          longest_history_tokens, median_summary, result_row, run_chat,
+                                          summarize,
                                           working_set_tokens)
 
     w = ChatWorkload(workload, users, rounds, rate, system_tokens, user_tokens, answer_tokens, think, docs, doc_min,
@@ -123,6 +126,8 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                               f"({', '.join(STRATEGIES)})")
         if not 0 < kv_share <= 4:
             raise KVFlowError("--kv-share must be in (0, 4]")
+        if repeats < 1:
+            raise KVFlowError("--repeats must be >= 1")
         if rho is not None and not 0 < rho <= 1000:
             raise KVFlowError("--rho must be in (0, 1000]")
         runner = load_model(model)
@@ -132,17 +137,23 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
         kv_budget = kv_tokens * runner.kv_bytes_per_token()
         results.update(model=model, working_set_tokens=ws, kv_budget_tokens=kv_tokens, rho=rho,
                        pool="memory" if pool_dir is None else f"extent file under {pool_dir}")
-        for name in names:
-            engine = kvflow_engine(runner, None if name == "resident" else name, kv_budget, block_size,
-                                   4 * ws * runner.kv_bytes_per_token() + (64 << 20), chunk_tokens, max_batched,
-                                   cost, None if pool_dir is None else str(pool_dir), rho)
-            with LocalServer(engine, model) as server:
-                records, wall = asyncio.run(run_chat(server.url, model, w))
-            split = server.hit_split()
-            summary = summarize(records, wall)
-            runs[name] = records
+        rounds_of = {name: [] for name in names}
+        for _ in range(repeats):                      # configurations alternate: a shared machine drifts
+            for name in names:
+                engine = kvflow_engine(runner, None if name == "resident" else name, kv_budget, block_size,
+                                       4 * ws * runner.kv_bytes_per_token() + (64 << 20), chunk_tokens, max_batched,
+                                       cost, None if pool_dir is None else str(pool_dir), rho)
+                with LocalServer(engine, model) as server:
+                    records, wall = asyncio.run(run_chat(server.url, model, w))
+                rounds_of[name].append((records, summarize(records, wall), server.hit_split()))
+        for name, rounds_ in rounds_of.items():
+            summary = median_summary([r[1] for r in rounds_])
+            split = rounds_[-1][2]
+            runs[name] = [rec for r in rounds_ for rec in r[0]]
             rows.append(result_row(name, summary, split))
-            results["runs"][name] = {"summary": summary, "hit_split": split, "turns": records_json(records)}
+            results["runs"][name] = {"summary": summary, "hit_split": split,
+                                     "rounds": [{"summary": r[1], "hit_split": r[2]} for r in rounds_],
+                                     "turns": records_json(rounds_[-1][0])}
     title = {"chat": "multi-round chat", "docqa": "long-document QA", "agent": "agent pipeline"}[workload]
     save_figure(folder / "ttft_cdf.png", draw_cdf(runs, title))
     report(results, folder, [(title, rows)], as_json, f"results in {folder} (results.json, ttft_cdf.png)")
