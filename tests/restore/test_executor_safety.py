@@ -49,7 +49,9 @@ class BlockingPool(CountingPool):
 
 
 # -- a compute-side exception ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("strategy, nth", [("layer", 1), ("staircase", 1), ("cake", 2), ("token", 3),
+# nth: a call every interleaving of the two sides makes (a dynamic meet may leave every chunk to I/O on a busy
+# machine, so only its first compute call — a grid step or the query — is certain)
+@pytest.mark.parametrize("strategy, nth", [("layer", 1), ("staircase", 1), ("cake", 1), ("token", 1),
                                            ("load-layerwise", 2)])
 def test_a_compute_side_exception_surfaces_stops_the_io_thread_and_leaves_the_pool_usable(tiny, monkeypatch,
                                                                                           strategy, nth):
