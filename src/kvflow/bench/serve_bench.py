@@ -348,9 +348,10 @@ class LocalServer:
 
 
 def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, name: str = "pool",
-               rho: float | None = None, cost=None):
+               rho: float | None = None, recompute_rate: float | None = None):
     """An empty pool: in memory, or one extent file (+ index) under ``pool_dir`` (anything there before is removed);
-    with ``rho`` throttled to rho x the cost model's short-context recompute rate (DESIGN.md §5)."""
+    with ``rho`` throttled to rho x ``recompute_rate`` (KV bytes/s of short-context recompute, measured warm at the
+    start of the run: bench/bound.py, as every kvflow benchmark defines rho — DESIGN.md §5)."""
     import shutil
     from pathlib import Path
 
@@ -367,12 +368,13 @@ def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, 
                                          "direct": odirect_supported(root)}],
                             "chunk_tokens": chunk_tokens, "index_dir": str(root / "index"), "durability": "relaxed"})
     if rho is not None:
-        pool.set_throttle(rho * cost.short_context_rate(chunk_tokens))
+        pool.set_throttle(rho * recompute_rate)
     return pool
 
 
 def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int, pool_bytes: int, chunk_tokens: int,
-                  max_num_batched_tokens: int, cost=None, pool_dir: str | None = None, rho: float | None = None):
+                  max_num_batched_tokens: int, cost=None, pool_dir: str | None = None, rho: float | None = None,
+                  recompute_rate: float | None = None):
     """An engine over ``runner`` with a fresh pool (``strategy`` None: no pool tier)."""
     from kvflow import Restorer
     from kvflow.engine import EngineConfig, LLMEngine
@@ -380,7 +382,7 @@ def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int,
 
     restorer = None
     if strategy is not None:
-        pool = fresh_pool(pool_bytes, chunk_tokens, pool_dir, strategy, rho, cost)
+        pool = fresh_pool(pool_bytes, chunk_tokens, pool_dir, strategy, rho, recompute_rate)
         restorer = Restorer(runner, pool, cost=cost)
     cfg = EngineConfig(block_size=block_size, kv_budget=kv_budget, strategy=strategy or "cacheflow",
                        max_num_batched_tokens=max_num_batched_tokens)

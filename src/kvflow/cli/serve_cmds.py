@@ -135,14 +135,19 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
         ws = working_set_tokens(w)
         kv_tokens = max(int(ws * kv_share), longest_history_tokens(w) + answer_tokens + block_size)
         kv_budget = kv_tokens * runner.kv_bytes_per_token()
+        rate = None
+        if rho is not None:
+            from kvflow.bench.bound import recompute_rate
+            rate = recompute_rate(runner, chunk_tokens)
         results.update(model=model, working_set_tokens=ws, kv_budget_tokens=kv_tokens, rho=rho,
+                       recompute_rate_bytes_per_s=rate,
                        pool="memory" if pool_dir is None else f"extent file under {pool_dir}")
         rounds_of = {name: [] for name in names}
         for _ in range(repeats):                      # configurations alternate: a shared machine drifts
             for name in names:
                 engine = kvflow_engine(runner, None if name == "resident" else name, kv_budget, block_size,
                                        4 * ws * runner.kv_bytes_per_token() + (64 << 20), chunk_tokens, max_batched,
-                                       cost, None if pool_dir is None else str(pool_dir), rho)
+                                       cost, None if pool_dir is None else str(pool_dir), rho, rate)
                 with LocalServer(engine, model) as server:
                     records, wall = asyncio.run(run_chat(server.url, model, w))
                 rounds_of[name].append((records, summarize(records, wall), server.hit_split()))
