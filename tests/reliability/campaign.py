@@ -237,13 +237,15 @@ def ext4(folder: Path, size_mb: int):
 
 
 # -- (b) power cuts -------------------------------------------------------------------------------------------
-def power_cut_trials(root: Path, durability: str, trials: int, seed: int) -> list[Trial]:
+def power_cut_trials(root: Path, durability: str, trials: int, seed: int, evicting: bool = False) -> list[Trial]:
+    """``evicting``: devices of 96 pages, so every put evicts (acknowledged records may legitimately be gone;
+    what is served must be right and fsck clean)."""
     ctx, rng, out = context(), random.Random(seed), []
     interval = 0.1
     for t in range(trials):
         with ext4(root / f"pc-{durability}-{t}", 160) as fs:
-            cfg = pool_cfg(fs.mnt / "pool", durability, capacity=24 << 20, memory=False,
-                           checkpoint_interval_s=interval)
+            cfg = pool_cfg(fs.mnt / "pool", durability, capacity=96 * 4096 if evicting else 24 << 20,
+                           memory=False, checkpoint_interval_s=interval)
             ack = root / f"pc-{durability}-ack{t}"
             p = ctx.Process(target=writer.write_forever, args=(cfg, str(ack), 0, 999))
             p.start()
@@ -266,7 +268,7 @@ def power_cut_trials(root: Path, durability: str, trials: int, seed: int) -> lis
                 old = [b for b, ts in got.items() if ts < cut - 3 * interval]
                 trial = check(cfg, written, list(got), intact=old)
                 trial.bounded_lost = trial.intact_lost
-            trial.kind = f"powercut-{durability}"
+            trial.kind = f"powercut-{durability}" + ("-evicting" if evicting else "")
             out.append(trial)
     return out
 
@@ -437,9 +439,17 @@ def enospc_trials(root: Path, repeats: int) -> list[Trial]:
             t.fsck_clean = left >= free_before // 2          # a refused init must not leave the disk full
             out.append(t)
             shutil.rmtree(fs.mnt / "big", ignore_errors=True)
-            # puts into a sparse extent file on a full file system: every acknowledged put must be readable
-            cfg = pool_cfg(fs.mnt / "sparse", "strict", capacity=256 << 20, memory=False)
+            # puts into a sparse extent file whose file system another file then fills: every acknowledged put
+            # must be readable, and the pool must open again on the full disk
+            cfg = pool_cfg(fs.mnt / "sparse", "strict", capacity=16 << 20, memory=False)
             cfg["devices"] = [cfg["devices"][0]]
+            with KVPool.open(cfg):
+                pass
+            filler = os.open(fs.mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(filler, 0, max(fs.free_bytes() - (2 << 20), 4096))
+            finally:
+                os.close(filler)
             ack = root / f"enospc-ack{r}"
             p = context().Process(target=writer.write_forever, args=(cfg, str(ack), 0, 3000))
             p.start()
@@ -495,6 +505,8 @@ def passed(t: Trial) -> bool:
         return False
     if t.kind == "powercut-relaxed":
         return t.bounded_lost == 0
+    if t.kind.endswith("-evicting"):
+        return True
     if t.kind == "enospc-init":
         return t.note.startswith("refused")
     return t.acked_lost == 0 and t.intact_lost == 0
@@ -533,6 +545,7 @@ def run(kills: int, power_cuts: int, corruption_repeats: int, seed: int = 0, roo
             for durability in ("strict", "relaxed"):
                 progress(f"power cuts x {power_cuts // 2} ({durability})")
                 trials += power_cut_trials(root, durability, power_cuts // 2, seed + 7)
+            trials += power_cut_trials(root, "strict", max(2, power_cuts // 5), seed + 9, evicting=True)
             progress("ENOSPC and EIO")
             trials += enospc_trials(root, max(1, corruption_repeats))
             trials += eio_trials(root, max(1, corruption_repeats), seed)

@@ -111,10 +111,14 @@ def _fsync_dir(path: Path) -> None:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)      # a full disk keeps the old file, and gets back the space of the new one
+        raise
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
@@ -146,6 +150,7 @@ class Journal:
         self.wal_bytes = 0
         self.manifest_ok = True
         self.had_manifest = True
+        self.pending_dels = False               # DELs appended since the last fsync (strict: sync before reuse)
         self._created: dict | None = None      # a manifest made by this open, until it is written
         if readonly:
             if not (self.root / "manifest.json").exists():
@@ -271,7 +276,9 @@ class Journal:
         if not ops:
             return
         data = b"".join(op.pack() for op in ops)
+        dels = any(op.op == DEL for op in ops)
         with self._lock:
+            self.pending_dels |= dels
             view, done = memoryview(data), 0
             while done < len(data):
                 done += os.write(self._fd, view[done:])
@@ -281,12 +288,14 @@ class Journal:
         with self._lock:
             if self._fd >= 0:
                 os.fdatasync(self._fd)
+                self.pending_dels = False
 
     def rotate(self) -> int:
         """Seal the current log (fsync) and continue in a new generation; returns the new generation. Called under
         the pool lock together with a snapshot of the table, which the following ``write_checkpoint`` records."""
         with self._lock:
             os.fdatasync(self._fd)
+            self.pending_dels = False
             os.close(self._fd)
             self.gen += 1
             self._fd = -1

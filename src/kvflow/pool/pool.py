@@ -149,11 +149,18 @@ class KVPool:
             if not self.readonly:
                 manifest["devices"] = sorted(known.values(), key=lambda d: d["id"])
                 self._manifest = manifest
-                self.checkpoint(rotate=False)
+                try:
+                    self.checkpoint(rotate=False)
+                except OSError as err:   # a full disk must not lock the pool out: the old checkpoint + log hold all
+                    log.warning("pool index %s: cannot write a checkpoint at open (%s); continuing on the log",
+                                cfg.index_dir, err.strerror or err)
                 st.journal.start()
         self._probe_missing()
         if st.journal is not None and not self.readonly:
-            st.journal.write_manifest(self._manifest)
+            try:
+                st.journal.write_manifest(self._manifest)
+            except OSError as err:
+                log.warning("pool index %s: cannot rewrite the manifest (%s)", cfg.index_dir, err.strerror or err)
         self._placement = make_placement(cfg.placement, [s.read_bw if s.healthy else 0.0 for s in st.slots])
 
     def _probe_missing(self) -> None:
@@ -239,6 +246,8 @@ class KVPool:
                 plan.append((key, tensor, *where, length, st.next_seq))
                 st.next_seq += 1
             eviction.log_and_discard(st, dels)          # before any freed extent is overwritten below
+        if self.cfg.durability == "strict" and st.journal is not None and st.journal.pending_dels:
+            st.journal.sync()          # strict: a DEL is durable before its extent is rewritten
         futures = [(p, st.slots[p[2]].io.submit(self._write_one, *p, dtype)) for p in plan]
         done, failed, unexpected, causes = [], [], None, {}
         for p, fut in futures:
@@ -275,7 +284,12 @@ class KVPool:
             for _key, _t, dev, off, _length, _seq in failed:
                 st.slots[dev].alloc.free(off)
                 st.slots[dev].device.discard(off)
-            eviction.log_and_discard(st, ops)
+            try:
+                eviction.log_and_discard(st, ops)
+            except OSError as err:       # e.g. ENOSPC on the log's disk: stored but not logged, so not durable
+                raise StoreError(f"pool index {self.cfg.index_dir}: cannot append to the log "
+                                 f"({err.strerror or err}); {len(done)} records of this put are served now but "
+                                 f"will not survive a restart", 0, len(done) + len(failed)) from None
             st.counters["put_records"] += len(done)
             st.counters["put_bytes"] += sum(p[4] for p, _ in done)
             st.counters["put_errors"] += len(failed)
@@ -465,7 +479,11 @@ class KVPool:
             self._stop.set()
             self._bg.join()
         if self._state.journal is not None and not self.readonly:
-            self.checkpoint()
+            try:
+                self.checkpoint()
+            except OSError as err:      # the log (synced by the rotation) still holds everything
+                log.warning("pool index %s: no checkpoint at close (%s); the next open replays the log",
+                            self.cfg.index_dir, err.strerror or err)
         with self._state.lock:
             self._closed = True
         self._teardown()

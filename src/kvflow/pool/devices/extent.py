@@ -121,6 +121,9 @@ class ExtentDevice(Device):
         if size > free:
             raise ConfigError(f"{path}: capacity {self.capacity / 2**20:,.0f} MiB does not fit the "
                               f"{free / 2**20:,.0f} MiB free on its file system")
+        # the superblock first: a crash from here on leaves a kvflow device (never a file init would refuse)
+        self._pwrite_aligned(pack_owner(Owner(self.capacity, "00" * 16, 0, 0, "")), 0)
+        os.fsync(self._fd)
         os.ftruncate(self._fd, size)
         if self.cfg.zero_fill:
             try:

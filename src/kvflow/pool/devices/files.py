@@ -31,7 +31,7 @@ class FilesDevice(Device):
         if readonly and self.fresh:
             raise ConfigError(f"{self.root} is not an initialised kvflow files device (run kvflow pool init)")
         if self.fresh and not readonly:
-            if os.path.isdir(self.root) and os.listdir(self.root):
+            if os.path.isdir(self.root) and set(os.listdir(self.root)) - {_MARKER + ".tmp"}:
                 raise ConfigError(f"{self.root} exists, is not empty and is not a kvflow device")
             os.makedirs(self.root, exist_ok=True)
             self._write_marker(None)
