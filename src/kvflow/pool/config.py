@@ -99,7 +99,8 @@ class PoolConfig:
                                             f"got {self.placement!r}")
         check(0 < self.low_watermark < self.high_watermark <= 1,
               "pool.low_watermark/high_watermark: need 0 < low < high <= 1")
-        check(self.checkpoint_interval_s > 0, "pool.checkpoint_interval_s: must be positive")
+        check(0 < self.checkpoint_interval_s <= 86400, "pool.checkpoint_interval_s: must be positive and at most a day "
+                                                       f"(86400), got {self.checkpoint_interval_s!r}")
         check(self.probe_bytes >= 1 << 20, "pool.probe_bytes: must be at least 1M")
         check(math.isfinite(self.probe_seconds) and 0 <= self.probe_seconds <= 60,
               "pool.probe_seconds: must be between 0 and 60")
