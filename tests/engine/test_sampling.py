@@ -12,7 +12,8 @@ from tests.engine.helpers import hf_greedy, ids
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(max_tokens=-1), dict(temperature=-0.1),
                                  dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(seed="x"),
-                                 dict(stop_token_ids=[-1]), dict(stop=[""]), dict(temperature=float("nan"))])
+                                 dict(stop_token_ids=[-1]), dict(stop=[""]), dict(temperature=float("nan")),
+                                 dict(seed=-1), dict(seed=2**64)])
 def test_out_of_range_sampling_values_are_clear_errors(bad):
     with pytest.raises(SamplingError):
         SamplingParams(**bad)

@@ -90,6 +90,8 @@ BAD = [
     ({"model": MODEL, "prompt": "x" * 600}, 400),                       # longer than the context (512 here)
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10**6}, 400),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, 400),
+    ({"model": MODEL, "prompt": "hi", "temperature": 1, "seed": 2**70}, 400),
+    ({"model": MODEL, "prompt": [[]]}, 400),
     ({"model": MODEL, "prompt": ["a", "b"], "stream": True}, 400),
 ]
 

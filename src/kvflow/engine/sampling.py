@@ -46,8 +46,9 @@ class SamplingParams:
         need(_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
         need(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1,
              f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
-        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-             f"seed must be an integer, got {self.seed!r}")
+        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and 0 <= self.seed < 2**63),
+             f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         need(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         need(all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 16,
