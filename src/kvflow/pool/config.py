@@ -11,6 +11,8 @@ YAML/TOML file with ``KVFLOW_POOL_*`` environment overrides for its scalar field
         - {type: extent, path: /mnt/nvme0/kvflow.img, capacity: 64G}
         - {type: files, path: /var/tmp/kvflow-files, capacity: 8G, bandwidth: 500M}
         - {type: extent, path: /dev/nvme1n1, throttle: 1.25G, latency_s: 0.0001}   # emulated NVMe-oF link
+        - {type: remote, url: "redis://10.0.0.5:6379,10.0.0.6:6379", cluster: true}   # shared tier (Redis cluster)
+      remote_placement: stripe  # stripe: remote is one more striped device | copy: local devices + a copy remotely
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvflow.pool.devices.throttle import MAX_LATENCY_S
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PLACEMENTS = ("bandwidth", "equal", "overflow")
+REMOTE_PLACEMENTS = ("stripe", "copy")
 
 
 @dataclass(slots=True)
@@ -42,6 +45,15 @@ class DeviceConfig:
     direct: bool = True             # extent: O_DIRECT (page cache bypassed); false only where O_DIRECT is unsupported
     zero_fill: bool = True          # extent: write zeros over a new file once so first writes are not slow
     drop_cache: bool = True         # files: posix_fadvise(DONTNEED) after each write/read (cold-cache baseline)
+    # remote (a Redis / Valkey store shared by every engine; devices/remote.py):
+    url: str | None = field(default=None, repr=False)   # "redis://host:port[,host:port]" seeds (rediss: TLS)
+    cluster: bool = True            # a Redis cluster (keys over hash slots, every node read) or one server
+    username: str | None = field(default=None, repr=False)   # ACL user (else pool.remote_username)
+    password: str | None = field(default=None, repr=False)   # never logged (else pool.remote_password / env)
+    tls: dict | None = None         # passed through to the client: ssl_ca_certs, ssl_certfile, ssl_keyfile, ...
+    timeout_s: float = 2.0          # connect and per-command socket timeout
+    key_prefix: str = "kvflow:"     # store keys are key_prefix + the record key digest (hex)
+    ttl_s: int = 0                  # > 0: records expire after this long (0: the store's LRU decides)
 
     def check_at(self, where: str) -> None:
         """Validate against ``where`` (e.g. ``pool.devices[2]``) so errors name the entry."""
@@ -58,6 +70,8 @@ class DeviceConfig:
         check(1 <= self.workers <= 64, f"{where}.workers: must be 1..64")
         check(math.isfinite(self.latency_s) and 0 <= self.latency_s <= MAX_LATENCY_S,
               f"{where}.latency_s: must be between 0 and {MAX_LATENCY_S:g} seconds, got {self.latency_s!r}")
+        if hasattr(cls, "check_config"):
+            cls.check_config(self, where)
 
     @property
     def persistent(self) -> bool:
@@ -65,7 +79,10 @@ class DeviceConfig:
 
     @property
     def name(self) -> str:
-        """Stable identity recorded in the manifest: type + absolute path."""
+        """Stable identity recorded in the manifest: type + absolute path (a remote store: its seed nodes)."""
+        if self.url:
+            scheme, sep, rest = self.url.partition("://")
+            return f"{self.type}:{scheme}{sep}{rest.rpartition('@')[2]}"    # never the credentials of a URL
         return f"{self.type}:{os.path.abspath(self.path)}" if self.path else f"{self.type}:anonymous"
 
 
@@ -83,6 +100,9 @@ class PoolConfig:
     low_watermark: float = 0.85      # ... down to this fraction
     probe_bytes: int = 64 << 20      # bytes moved per device by the bandwidth probe at creation / `kvflow pool probe`
     probe_seconds: float = 0.0       # ... and read again until this long was spent reading (bursty caps, e.g. 1.0)
+    remote_placement: str = "stripe"  # stripe: a remote device is striped by p_i like any | copy: local first + a copy
+    remote_username: str | None = field(default=None, repr=False)   # remote devices' ACL user / password unless a
+    remote_password: str | None = field(default=None, repr=False)   # device sets its own (KVFLOW_POOL_REMOTE_*)
 
     def validate(self) -> None:
         check(len(self.devices) > 0, "pool.devices: at least one device is required")
@@ -104,6 +124,12 @@ class PoolConfig:
         check(self.probe_bytes >= 1 << 20, "pool.probe_bytes: must be at least 1M")
         check(math.isfinite(self.probe_seconds) and 0 <= self.probe_seconds <= 60,
               "pool.probe_seconds: must be between 0 and 60")
+        check(self.remote_placement in REMOTE_PLACEMENTS, f"pool.remote_placement: must be stripe or copy, "
+                                                          f"got {self.remote_placement!r}")
+        for dev in self.devices:
+            if dev.type == "remote":
+                dev.username = dev.username or self.remote_username
+                dev.password = dev.password or self.remote_password
         check(self.index_dir is not None or not any(d.persistent for d in self.devices),
               "pool.index_dir: required when a device has a path (its index must survive restarts)")
 

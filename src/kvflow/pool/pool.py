@@ -37,7 +37,7 @@ from kvflow.errors import ConfigError, KVFlowError, RecordError, StoreError
 from kvflow.pool import eviction
 from kvflow.pool.allocator import ExtentAllocator, round_up
 from kvflow.pool.config import PoolConfig
-from kvflow.pool.devices import Throttled, open_device
+from kvflow.pool.devices import Throttled, open_device, remote
 from kvflow.pool.devices.throttle import MAX_LATENCY_S, check_latency
 from kvflow.pool.fsck import fsck
 from kvflow.pool.index import Entry, LookupTable
@@ -143,6 +143,9 @@ class KVPool:
             io = ThreadPoolExecutor(dcfg.workers, thread_name_prefix=f"kvpool-dev{len(st.slots)}")
             st.slots.append(Slot(Throttled(device, dcfg.throttle, dcfg.latency_s), dcfg, ident,
                                  ExtentAllocator(device.capacity, device.align), io, bw, cap=dcfg.throttle))
+            if not getattr(device, "reachable", True):   # a remote store down at open: the pool starts without it
+                st.slots[-1].healthy = False
+                self._down[len(st.slots) - 1] = time.monotonic()
         st.table = LookupTable(len(st.slots))
         if st.journal is not None:
             recover(st)
@@ -161,12 +164,13 @@ class KVPool:
                 st.journal.write_manifest(self._manifest)
             except OSError as err:
                 log.warning("pool index %s: cannot rewrite the manifest (%s)", cfg.index_dir, err.strerror or err)
-        self._placement = make_placement(cfg.placement, [s.read_bw if s.healthy else 0.0 for s in st.slots])
+        self._placement = make_placement(cfg.placement,
+                                         remote.weights(st, [s.read_bw if s.healthy else 0.0 for s in st.slots]))
 
     def _probe_missing(self) -> None:
         shared: dict[str, Bandwidth] = {}
         for i, s in enumerate(self._state.slots):
-            if s.bw.read > 0:
+            if s.bw.read > 0 or not s.healthy:     # a device down at open is probed once it answers (_revive)
                 continue
             key = s.cfg.name if s.cfg.persistent else f"{s.cfg.type}:anonymous"
             if key not in shared:
@@ -300,6 +304,7 @@ class KVPool:
                 raise StoreError(f"pool index {self.cfg.index_dir}: the log could not be made durable "
                                  f"({err.strerror or err}); {len(done)} records of this put may be lost on a crash",
                                  0, len(done) + len(failed)) from None
+        remote.copy(st, [(p[0], p[1], p[5]) for p, _ in done], dtype, self._io_error)   # remote_placement: copy
         if unexpected is not None:
             raise unexpected
         if causes and self.cfg.durability == "strict":
@@ -319,12 +324,13 @@ class KVPool:
         out: dict[ChunkKey, torch.Tensor | None] = dict.fromkeys(keys)
         if self._down:
             self._revive()
-        plan = []
+        plan, unknown = [], []
         with st.lock:
             self._check_open()
             for key in dict.fromkeys(keys):
                 entry = st.table.get(key.digest)
                 if entry is None or not st.slots[entry.dev].healthy:
+                    unknown.append(key)
                     continue
                 entry.pins += 1
                 st.table.touch(key.digest, entry)
@@ -332,6 +338,7 @@ class KVPool:
         futures = [(key, entry, st.slots[entry.dev].io.submit(self._read_one, key, entry)) for key, entry in plan]
         bad = []
         try:
+            out.update(remote.fetch(st, unknown, self._io_error))   # keys this index does not know: the shared store
             for key, entry, fut in futures:
                 try:
                     out[key] = fut.result()
@@ -350,7 +357,8 @@ class KVPool:
         for key in keys:
             _check_key(key)
         with st.lock:
-            return [(e := st.table.get(k.digest)) is not None and st.slots[e.dev].healthy for k in keys]
+            local = [(e := st.table.get(k.digest)) is not None and st.slots[e.dev].healthy for k in keys]
+        return remote.contains(st, keys, local, self._io_error)    # what the index does not know: asked of the store
 
     def longest_prefix(self, token_ids, fingerprint: str, layer_groups: list[tuple[int, int]] | None = None,
                        kind: str = "kv") -> int:
@@ -363,7 +371,8 @@ class KVPool:
         n, table, slots = 0, st.table, st.slots
         # Hot path (512 chunks x dozens of groups at 128K tokens): record digests without building ChunkKeys.
         tails = [layer_tail(g, kind) for g in layer_groups]
-        for i, h in enumerate(prefix_hashes(token_ids, fingerprint, self.chunk_tokens)):   # dict reads: no lock
+        hashes = prefix_hashes(token_ids, fingerprint, self.chunk_tokens)
+        for i, h in enumerate(hashes):   # dict reads: no lock
             for tail in tails:
                 e = table.get(record_digest(h, tail))
                 if e is None or not slots[e.dev].healthy:
@@ -372,6 +381,7 @@ class KVPool:
                 n = i + 1
                 continue
             break
+        n = remote.extend_prefix(st, hashes, tails, n, self._io_error)   # beyond the index: binary search in the store
         with st.lock:
             st.counters["lookup_s"] += time.perf_counter() - t0
             st.counters["lookup_calls"] += 1
@@ -589,9 +599,12 @@ class KVPool:
                 self._down.pop(dev, None)
                 self._reweigh()
             log.warning("pool: device %s answers again; back in service", s.device.name)
+            if s.bw.read == 0:      # down since the pool opened: never measured
+                s.bw = (None if self.readonly else self.probe(dev)) or Bandwidth(_DEFAULT_BW, _DEFAULT_BW)
+                self._reweigh()
 
     def _reweigh(self) -> None:
-        weights = [s.read_bw if s.healthy else 0.0 for s in self._state.slots]
+        weights = remote.weights(self._state, [s.read_bw if s.healthy else 0.0 for s in self._state.slots])
         if any(weights):
             self._placement.set_weights(weights)
 
@@ -612,7 +625,7 @@ class KVPool:
         slot = self._state.slots[entry.dev]
         data = _retry(slot.device.read, entry.offset, entry.length)
         header, tensor = decode(data.numpy(), expect=key)
-        if header.seq != entry.seq:
+        if header.seq != entry.seq and not getattr(slot.device, "content_addressed", False):   # remote: any writer
             raise RecordError(f"record sequence {header.seq} differs from the index ({entry.seq}): stale extent")
         slot.errors_in_row = 0
         return tensor

@@ -4,12 +4,14 @@ from kvflow.pool.devices.base import ALIGN, Device, aligned_empty
 from kvflow.pool.devices.extent import ExtentDevice
 from kvflow.pool.devices.files import FilesDevice
 from kvflow.pool.devices.memory import MemoryDevice
+from kvflow.pool.devices.remote import RemoteDevice
 from kvflow.pool.devices.throttle import Throttled, TokenBucket
 
 DEVICE_TYPES: dict[str, type[Device]] = {
     "memory": MemoryDevice,
     "extent": ExtentDevice,
     "files": FilesDevice,
+    "remote": RemoteDevice,
 }
 
 
@@ -17,5 +19,5 @@ def open_device(cfg, readonly: bool = False) -> Device:
     return DEVICE_TYPES[cfg.type](cfg, readonly=readonly)
 
 
-__all__ = ["ALIGN", "DEVICE_TYPES", "Device", "ExtentDevice", "FilesDevice", "MemoryDevice", "Throttled",
-           "TokenBucket", "aligned_empty", "open_device"]
+__all__ = ["ALIGN", "DEVICE_TYPES", "Device", "ExtentDevice", "FilesDevice", "MemoryDevice", "RemoteDevice",
+           "Throttled", "TokenBucket", "aligned_empty", "open_device"]
