@@ -60,6 +60,7 @@ class Trial:
     acked: int = 0
     note: str = ""
     bounded_lost: int = 0        # relaxed: acknowledged records older than the sync interval that were lost
+    oldest_lost_s: float = 0.0   # relaxed power cut: age at the cut of the oldest acknowledged record lost
 
 
 # -- process plumbing ------------------------------------------------------------------------------------------
@@ -268,9 +269,17 @@ def power_cut_trials(root: Path, durability: str, trials: int, seed: int, evicti
                 old = [b for b, ts in got.items() if ts < cut - 3 * interval]
                 trial = check(cfg, written, list(got), intact=old)
                 trial.bounded_lost = trial.intact_lost
+                trial.oldest_lost_s = round(max([cut - got[b] for b in _lost_batches(cfg, got)], default=0.0), 3)
             trial.kind = f"powercut-{durability}" + ("-evicting" if evicting else "")
             out.append(trial)
     return out
+
+
+def _lost_batches(cfg: dict, acked: dict[int, float]) -> list[int]:
+    with KVPool.open(cfg, readonly=True) as pool:
+        got = pool.contains([k for b in acked for k in batch_keys(b)])
+    keys_per = BATCH
+    return [b for i, b in enumerate(acked) if not all(got[i * keys_per:(i + 1) * keys_per])]
 
 
 # -- (c) corruption matrix ------------------------------------------------------------------------------------
@@ -520,7 +529,8 @@ def summarize(trials: list[Trial]) -> list[dict]:
              "wrong_served": sum(t.wrong_served for t in ts), "intact_lost": sum(t.intact_lost for t in ts),
              "fsck_clean": sum(t.fsck_clean for t in ts), "passed": sum(passed(t) for t in ts),
              "acked_records": sum(t.acked for t in ts),
-             "relaxed_lost_beyond_interval": sum(t.bounded_lost for t in ts)} for k, ts in kinds.items()]
+             "relaxed_lost_beyond_interval": sum(t.bounded_lost for t in ts),
+             "oldest_lost_s": max(t.oldest_lost_s for t in ts)} for k, ts in kinds.items()]
 
 
 def run(kills: int, power_cuts: int, corruption_repeats: int, seed: int = 0, root: Path | None = None,

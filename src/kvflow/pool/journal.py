@@ -132,6 +132,7 @@ class Recovered:
     checkpoint_ok: bool
     skipped: int = 0       # damaged entries inside the log, skipped one by one (their records may be on a device)
     manifest_ok: bool = True
+    from_log: frozenset = frozenset()   # keys whose row came from the log, not the checkpoint (relaxed: unverified)
 
     @property
     def damaged(self) -> bool:
@@ -243,7 +244,7 @@ class Journal:
             log.error("pool index %s: checkpoint does not verify; recovering from the log alone", self.root)
             ckpt = ({}, gens[0] if gens else 0, 0)
         rows, wal_from, next_seq = ckpt
-        wal_bytes, torn, skipped = 0, False, 0
+        wal_bytes, torn, skipped, from_log = 0, False, 0, set()
         for gen in (g for g in gens if g >= wal_from):
             try:
                 data = self._wal_path(gen).read_bytes()
@@ -253,6 +254,8 @@ class Journal:
             for op in ops:
                 apply(rows, op)
                 next_seq = max(next_seq, op.seq + 1)
+                if op.op == PUT:
+                    from_log.add(op.digest)
             wal_bytes += len(ops) * ENTRY_SIZE
             skipped += bad
             if cut:
@@ -260,7 +263,8 @@ class Journal:
                 if gen != gens[-1]:
                     skipped += 1       # a sealed generation was fsynced whole: a cut inside one is damage
         self.gen = max([wal_from, *gens]) + 1   # the writer continues in a new generation after a checkpoint
-        return Recovered(rows, next_seq, wal_bytes, torn, checkpoint_ok, skipped, self.manifest_ok)
+        return Recovered(rows, next_seq, wal_bytes, torn, checkpoint_ok, skipped, self.manifest_ok,
+                         frozenset(from_log))
 
     # -- writing --------------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -140,6 +140,28 @@ def _pool_id(path: Path) -> str | None:
         return None
 
 
+def _verified(state: PoolState, rows: dict[bytes, Op], suspects, by_id) -> dict[bytes, Op]:
+    def ok(op: Op) -> bool:
+        i = by_id.get(op.dev)
+        if i is None:
+            return True                  # dropped below anyway
+        device = getattr(state.slots[i].device, "inner", state.slots[i].device)
+        try:
+            header, _ = decode(device.read(op.offset, op.length).numpy())
+        except (RecordError, OSError):
+            return False
+        return header.digest == op.digest and header.seq == op.seq
+
+    check = [(d, op) for d, op in rows.items() if d in suspects and by_id.get(op.dev) is not None]
+    futures = [(d, state.slots[by_id[op.dev]].io.submit(ok, op)) for d, op in check]
+    bad = {d for d, f in futures if not f.result()}
+    if bad:
+        log.warning("pool index %s: %d logged records never reached their device before the crash (relaxed "
+                    "durability); dropped", state.cfg.index_dir, len(bad))
+    state.counters["recovery_unsynced"] = len(bad)
+    return {d: op for d, op in rows.items() if d not in bad}
+
+
 def recover(state: PoolState, rebuild: bool = False) -> ScanReport:
     """Replace ``state.table``, the slots' allocators and ``state.next_seq``. The journal's rows are used where they
     can be trusted; devices are scanned (see the module doc) where they cannot, or all of them with ``rebuild``.
@@ -173,6 +195,10 @@ def recover(state: PoolState, rebuild: bool = False) -> ScanReport:
                 rows[digest] = op
             next_seq = max(next_seq, op.seq + 1)
     by_id = {s.id: i for i, s in enumerate(slots) if s.id is not None}
+    if state.cfg.durability == "relaxed" and rec.from_log and not scan_all and not state.readonly:
+        # relaxed: a PUT may reach the disk before its record does (the kernel writes the log back on its own), so
+        # after a crash the rows only the log names are read and verified; those whose data never landed go
+        rows = _verified(state, rows, rec.from_log, by_id)
     per_dev: dict[int, list[tuple[bytes, Op]]] = {}
     dropped = 0
     for digest, op in rows.items():
