@@ -6,11 +6,12 @@ builder here; the executor runs them all the same way, so comparisons differ onl
     load-layerwise   load layer by layer while the query runs layer by layer (LMCache layer-wise pipelining)
     cake             compute forward / load backward in fixed chunks, meet at run time, no cost model (Cake)
     token            CacheFlow token two-pointer: meet planned from the cost model (sets step sizes), corrected
-                     at run time; query pipelined
+                     at run time, the last chunk shared layer by layer
     layer            lower layers recomputed for every token, upper layers loaded; cut from the cost model
     staircase        best token x layer staircase the cost model finds
     cacheflow        of token / layer / staircase / load-layerwise / recompute, the plan with the smallest worst-case
-                     regret when compute and I/O run at other speeds than the model says (``speed_band``): a
+                     regret when compute and I/O run at other speeds than the model says (``compute_band``,
+                     ``io_band``): a
                      dynamic meet corrects itself at run time, a static split pays the whole error, so a static
                      plan wins only where it is faster under every speed in the band
 """
