@@ -11,9 +11,8 @@ builder here; the executor runs them all the same way, so comparisons differ onl
     staircase        best token x layer staircase the cost model finds
     cacheflow        of token / layer / staircase / load-layerwise / recompute, the plan with the smallest worst-case
                      regret when compute and I/O run at other speeds than the model says (``compute_band``,
-                     ``io_band``): a
-                     dynamic meet corrects itself at run time, a static split pays the whole error, so a static
-                     plan wins only where it is faster under every speed in the band
+                     ``io_band``): a dynamic meet corrects itself at run time, a static split pays the whole
+                     error, so a static plan wins only where it is faster under every speed in the band
 """
 
 from __future__ import annotations
