@@ -96,3 +96,56 @@ def test_a_failing_restoration_falls_back_to_recompute(tiny, restorer):
     assert out.token_ids == hf_greedy(tiny, base + [3], 4)
     assert eng.pool.counters["restore_errors"] == 1
     eng.close()
+
+
+def test_other_sequences_keep_decoding_while_a_restoration_is_in_flight(tiny, restorer):
+    base = ids(96, 12)
+    restorer.store(base)
+    eng = engine(tiny, restorer)
+    gate = threading.Event()
+    real = eng.pool.restore
+    eng.pool.restore = lambda requests: (gate.wait(60), real(requests))[1]
+    hit = eng.add_request(base + [4], SamplingParams(max_tokens=3))
+    plain = eng.add_request(ids(7, 13), SamplingParams(max_tokens=5))
+    done, finished = {}, set()
+    while plain not in finished:
+        for out in eng.step():
+            done.setdefault(out.seq_id, []).extend(out.new_token_ids)
+            assert out.seq_id != hit                          # still restoring
+            if out.finished:
+                finished.add(out.seq_id)
+    assert done[plain] == hf_greedy(tiny, ids(7, 13), 5)
+    gate.set()
+    while eng.has_unfinished():
+        for out in eng.step():
+            done.setdefault(out.seq_id, []).extend(out.new_token_ids)
+    assert done[hit] == hf_greedy(tiny, base + [4], 3)
+    eng.close()
+
+
+def test_aborting_a_request_while_it_is_restored_frees_its_blocks_when_the_restore_returns(tiny, restorer):
+    base = ids(64, 14)
+    restorer.store(base)
+    eng = engine(tiny, restorer)
+    gate = threading.Event()
+    real = eng.pool.restore
+    eng.pool.restore = lambda requests: (gate.wait(60), real(requests))[1]
+    sid = eng.add_request(base + [1], SamplingParams(max_tokens=3))
+    eng.step()
+    eng.abort(sid)
+    assert eng.blocks.num_free < eng.num_blocks                # the worker may still be reading into them
+    gate.set()
+    while eng.has_unfinished():
+        assert eng.step() == []
+    assert eng.blocks.num_free == eng.num_blocks
+    eng.close()
+
+
+def test_restoring_inside_the_step_is_exact_too(tiny, restorer):
+    restorer.store(ids(130, 3))
+    eng = engine(tiny, restorer, async_restore=False)
+    prompts = [ids(130, 3) + ids(5, 4), ids(130, 3)[:70] + ids(2, 5)]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=5))
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny, p, 5) for p in prompts]
+    assert [o.cached_tokens for o in outs] == [128, 64]
+    eng.close()

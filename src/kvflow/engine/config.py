@@ -20,6 +20,7 @@ class EngineConfig:
     chunked_prefill: bool = True          # False: a prompt is admitted only when all of it fits one step
     strategy: str = "cacheflow"           # restoration strategy for pool hits (any of kvflow.planner.STRATEGIES)
     pool_min_tokens: int = 1              # a pool hit must add at least this many tokens over the resident hit
+    async_restore: bool = True            # restore pool hits on a worker thread while steps go on (False: in the step)
     write_queue: int = 64                 # pending pool writes at most; a full queue drops (and counts) writes
 
     def validate(self) -> None:

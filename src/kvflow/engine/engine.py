@@ -7,16 +7,19 @@
     while engine.has_unfinished():
         for out in engine.step(): ...                                    # RequestOutput per sequence that moved
 
-A step: the scheduler picks prefill chunks and decodes under the token budget; sequences admitted with a pool hit
-are restored first (PoolTier); then every other scheduled token runs in one forward pass (BatchRunner); sampled
-tokens are appended, stop conditions checked, finished sequences stored to the pool and their blocks freed.
-Not thread-safe: one thread drives an engine (the server's engine loop).
+A step: restorations that finished since the last step are copied into their blocks; the scheduler picks prefill
+chunks and decodes under the token budget; sequences admitted with a pool hit are handed to the restoration worker
+(PoolTier, one thread: the step's hits go together through the batch-aware scheduler) and skip the steps until it
+returns — the other sequences keep decoding meanwhile; every other scheduled token runs in one forward pass
+(BatchRunner); sampled tokens are appended, stop conditions checked, finished sequences stored to the pool and
+their blocks freed. Not thread-safe: one thread drives an engine (the server's engine loop).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from kvflow.engine.block_manager import BlockManager
@@ -60,6 +63,12 @@ class Completion:
 
 
 @dataclass(slots=True)
+class _RestoreJob:
+    future: Future
+    scheduled: list            # the Scheduled entries it restores, in request order
+
+
+@dataclass(slots=True)
 class EngineStats:
     steps: int = 0
     requests: int = 0
@@ -91,6 +100,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.batch_runner = BatchRunner(runner, self.cache)
         self.pool = PoolTier(restorer, cfg.strategy, cfg.write_queue) if restorer is not None else None
+        self._restorer = ThreadPoolExecutor(1, thread_name_prefix="kvflow-restore") if self.pool else None
+        self._jobs: list[_RestoreJob] = []
         self.scheduler = Scheduler(cfg, self.blocks, self.pool.lookup if self.pool else None, self._store)
         eos = getattr(runner.hf_model.generation_config, "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
@@ -142,7 +153,10 @@ class LLMEngine:
         seq = self.seqs.pop(seq_id, None)
         if seq is not None and not seq.finished:
             seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
+            if seq.restoring:
+                seq.abort_pending = True     # its blocks are freed when the restoration returns
+            else:
+                self.scheduler.finish(seq)
             self.stats.aborted += 1
 
     def has_unfinished(self) -> bool:
@@ -150,21 +164,27 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        outputs = self._finish_restores()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         if not plan.scheduled:
-            return []
+            if self._jobs and not outputs:         # only restorations in flight: wait a little for one
+                wait([j.future for j in self._jobs], timeout=0.01, return_when=FIRST_COMPLETED)
+                outputs = self._finish_restores()
+            return outputs
         self.stats.steps += 1
         logits: dict[int, object] = {}
         restoring = [s for s in plan.scheduled if s.seq.pool_restore]
-        if restoring:
-            self._restore(restoring, logits)
+        if restoring and self.config.async_restore:
+            self._submit(restoring)
+        elif restoring:
+            self._restore_now(restoring, logits)
         for seq in plan.admitted:
-            if seq.num_preemptions == 0:
+            if seq.num_preemptions == 0 and not seq.restoring:
                 self._count_hit(seq)
         items, sampled = [], []
         for s in plan.scheduled:
-            if s.seq.seq_id in logits or s.seq.pool_restore:
+            if s.seq.restoring or s.seq.seq_id in logits or s.seq.pool_restore:
                 continue
             seq, end = s.seq, s.start + s.num_tokens
             items.append(StepItem(seq.block_table, s.start, seq.token_ids[s.start:end], end == seq.num_tokens))
@@ -174,12 +194,12 @@ class LLMEngine:
             step_logits = self.batch_runner.execute(items)
             logits.update((seq.seq_id, row) for seq, row in zip(sampled, step_logits))
             self.stats.computed_tokens += sum(len(it.token_ids) for it in items)
-            decodes = sum(1 for it in items if len(it.token_ids) == 1)
             if len(items) > 1:
-                self.stats.decode_steps_batched += decodes
-        outputs = []
+                self.stats.decode_steps_batched += sum(1 for it in items if len(it.token_ids) == 1)
         for s in plan.scheduled:
             seq = s.seq
+            if seq.restoring:
+                continue
             seq.num_computed = s.start + s.num_tokens
             seq.pool_restore = 0
             self.blocks.commit(seq)
@@ -195,11 +215,56 @@ class LLMEngine:
         kind = "pool" if seq.pool_hit_tokens else "resident" if seq.resident_hit_tokens else "miss"
         st.requests_by_hit[kind] += 1
 
-    def _restore(self, restoring, logits: dict) -> None:
-        """Pool hits of this step: restore [0, pool_restore) + this step's slice, copy beyond the resident hit."""
-        requests = [(s.seq.token_ids[:s.start], s.seq.token_ids[s.start:s.start + s.num_tokens]) for s in restoring]
+    # ----------------------------------------------------------------------------- pool restoration
+    @staticmethod
+    def _requests(restoring) -> list[tuple[list[int], list[int]]]:
+        """(context [0, pool_restore), query: this step's slice after it) per restoring sequence."""
+        return [(s.seq.token_ids[:s.start], s.seq.token_ids[s.start:s.start + s.num_tokens]) for s in restoring]
+
+    def _submit(self, restoring) -> None:
+        """Restore this step's pool hits on the worker (together: the batch-aware scheduler) while steps go on."""
+        for s in restoring:
+            s.seq.restoring = True
+        self._jobs.append(_RestoreJob(self._restorer.submit(self.pool.restore, self._requests(restoring)),
+                                      restoring))
+
+    def _finish_restores(self) -> list[RequestOutput]:
+        """Copy the KV of every finished restoration into its blocks and sample where the prompt is complete."""
+        outputs = []
+        for job in [j for j in self._jobs if j.future.done()]:
+            self._jobs.remove(job)
+            try:
+                results = job.future.result()
+            except Exception as err:    # a failed restoration is a recompute, never a failed request
+                log.warning("pool restore failed, recomputing: %s", err)
+                self.pool.counters["restore_errors"] += 1
+                results = None
+            for i, s in enumerate(job.scheduled):
+                seq = s.seq
+                seq.restoring = False
+                if seq.abort_pending:
+                    seq.abort_pending = False
+                    self.scheduler.finish(seq)
+                    continue
+                seq.pool_restore = 0
+                if results is None:
+                    seq.pool_hit_tokens = 0          # the next steps compute it from its resident hit
+                else:
+                    end = s.start + s.num_tokens
+                    self.cache.write_sequence(seq.block_table, results[i].kv, seq.num_computed, end)
+                    self.stats.computed_tokens += s.num_tokens
+                    seq.num_computed = end
+                    self.blocks.commit(seq)
+                    if end == seq.num_tokens:
+                        outputs.append(self._append(seq, sample(results[i].logits, seq.params, seq.generator)))
+                if seq.num_preemptions == 0:
+                    self._count_hit(seq)
+        return outputs
+
+    def _restore_now(self, restoring, logits: dict) -> None:
+        """Pool hits of this step restored inside the step (async_restore off)."""
         try:
-            results = self.pool.restore(requests)
+            results = self.pool.restore(self._requests(restoring))
         except Exception as err:    # a failed restoration is a recompute, never a failed request
             log.warning("pool restore failed, recomputing: %s", err)
             self.pool.counters["restore_errors"] += 1
@@ -211,10 +276,7 @@ class LLMEngine:
             seq, end = s.seq, s.start + s.num_tokens
             self.cache.write_sequence(seq.block_table, res.kv, seq.num_computed, end)
             self.stats.computed_tokens += s.num_tokens
-            if end == seq.num_tokens:
-                logits[seq.seq_id] = res.logits
-            else:
-                logits[seq.seq_id] = None    # restored, not sampled yet
+            logits[seq.seq_id] = res.logits if end == seq.num_tokens else None   # None: restored, not sampled yet
             seq.pool_restore = 0
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
@@ -271,8 +333,9 @@ class LLMEngine:
         return [done[i] for i in ids]
 
     def close(self) -> None:
-        """Flush pending pool writes and stop the writer."""
+        """Wait for restorations in flight, flush pending pool writes, stop the worker and the writer."""
         if self.pool is not None:
+            self._restorer.shutdown(wait=True)
             self.pool.close()
 
     # --------------------------------------------------------------------------------------- gauges

@@ -3,10 +3,11 @@
 Each step (vLLM v1's order): running sequences first — a decode takes 1 token, a prompt being prefilled takes its
 next chunk — then waiting sequences are admitted FCFS while the budget, ``max_num_seqs`` and free blocks allow.
 Admission allocates blocks for the whole sequence (its cached prefix shared), so only decodes grow; when a decode
-finds no free block the most recently admitted running sequence is preempted: its blocks are freed (their full
-blocks stay cached, its full chunks go to the pool) and it goes back to the front of the queue, to be recomputed or
-restored — never a crash, never a wrong token. add_request guarantees any one sequence fits the whole budget, so
-the head of the queue always gets in once the running ones finish.
+finds no free block the most recently admitted running sequence (not one being restored) is preempted: its blocks
+are freed (their full blocks stay cached, its full chunks go to the pool) and it goes back to the front of the
+queue, to be recomputed or restored — never a crash, never a wrong token. add_request guarantees any one sequence
+fits the whole budget, so the head of the queue always gets in once the running ones finish. A sequence whose pool
+hit is being restored on the engine's worker takes no tokens until the restoration returns.
 """
 
 from __future__ import annotations
@@ -59,8 +60,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.restoring:              # its KV is being restored on the worker: nothing to compute yet
+                i += 1
+                continue
             while not bm.can_append(seq):
-                victim = self.running.pop()
+                victim = self._victim()
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -97,6 +102,10 @@ class Scheduler:
             out.admitted.append(seq)
             budget -= n
         return out
+
+    def _victim(self) -> Sequence:
+        """The most recently admitted running sequence not being restored (the one asking is always a candidate)."""
+        return next(s for s in reversed(self.running) if not s.restoring)
 
     def _stored(self, seq: Sequence) -> int:
         """Tokens of ``seq``'s longest prefix in the pool, leaving at least one token to compute."""

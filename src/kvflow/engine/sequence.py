@@ -34,6 +34,8 @@ class Sequence:
     resident_hit_tokens: int = 0     # prompt tokens whose KV came from resident blocks (first admission)
     pool_hit_tokens: int = 0         # ... restored from the pool
     pool_restore: int = 0            # at admission: tokens [0, pool_restore) to restore from the pool this step
+    restoring: bool = False          # a pool restoration of this sequence is in flight (async_restore)
+    abort_pending: bool = False      # aborted while restoring: freed when the restoration returns
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_text: str | None = None       # the stop string that ended it, if any
