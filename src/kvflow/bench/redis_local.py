@@ -1,0 +1,185 @@
+"""Local Redis servers for ``kvflow bench shared`` and the remote-tier tests: a cluster of masters, or one server, on
+free loopback ports in a temporary directory — each server in its own process group, always killed and the directory
+removed.
+
+    with RedisProcs(masters=3) as rp:          # cluster mode; RedisProcs(masters=1, cluster=False): one server
+        rp.url                                 # "redis://127.0.0.1:P1,127.0.0.1:P2,..." for a remote device
+        rp.kill(1); rp.restart(1)              # a node dies; comes back empty (no persistence) with its slots
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+
+def redis_available() -> str | None:
+    """None when redis-server and redis-cli are on PATH, else why not (the reason a test is skipped)."""
+    missing = [b for b in ("redis-server", "redis-cli") if shutil.which(b) is None]
+    return None if not missing else (f"{' and '.join(missing)} not installed (the Makefile installs Debian's "
+                                     f"redis-server: apt-get install -y redis-server)")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int, bus: bool) -> list[int]:
+    """``n`` loopback ports that are free now (and, for cluster nodes, their bus port + 10000 too)."""
+    out: list[int] = []
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    while len(out) < n:
+        p = rng.randrange(20000, 45000)
+        if p not in out and _free(p) and (not bus or _free(p + 10000)):
+            out.append(p)
+    return out
+
+
+@dataclass
+class RedisProcs:
+    masters: int = 3
+    cluster: bool = True
+    password: str | None = None
+    maxmemory: str | None = None            # e.g. "64mb": the store evicts (allkeys-lru) beyond it
+    ports: list[int] = field(default_factory=list)
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    dir: str = ""
+
+    @property
+    def url(self) -> str:
+        return "redis://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start(self) -> RedisProcs:
+        if (why := redis_available()) is not None:
+            raise RuntimeError(why)
+        self.dir = tempfile.mkdtemp(prefix="kvflow-redis-")
+        try:
+            for attempt in range(3):    # a port taken between the check and the bind: pick others
+                self.ports = free_ports(self.masters, self.cluster)
+                for i in range(self.masters):
+                    self._spawn(i)
+                if all(self._wait_ping(p, raise_=False) for p in self.ports):
+                    break
+                self._kill_all()
+            else:
+                raise RuntimeError(f"redis-server did not start; logs in {self.dir}")
+            if self.cluster:
+                self._create_cluster()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _args(self, port: int) -> list[str]:
+        args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--daemonize", "no", "--dir", self.dir, "--logfile", os.path.join(self.dir, f"{port}.log"),
+                "--maxmemory-policy", "allkeys-lru", "--protected-mode", "no"]
+        if self.maxmemory:
+            args += ["--maxmemory", self.maxmemory]
+        if self.password:
+            args += ["--requirepass", self.password, "--masterauth", self.password]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", os.path.join(self.dir, f"nodes-{port}.conf"),
+                     "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no"]
+        return args
+
+    def _spawn(self, i: int) -> None:
+        port = self.ports[i]
+        self.procs[port] = subprocess.Popen(self._args(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                            start_new_session=True)    # its own process group: killed as one
+
+    def _cli(self, *args: str, port: int | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+        cmd = ["redis-cli", "-h", "127.0.0.1"] + (["-p", str(port)] if port else [])
+        if self.password:
+            cmd += ["-a", self.password, "--no-auth-warning"]
+        return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout)
+
+    def _wait_ping(self, port: int, timeout: float = 20, raise_: bool = True) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            proc = self.procs.get(port)
+            if proc is not None and proc.poll() is not None:
+                break
+            try:
+                if self._cli("ping", port=port, timeout=5).stdout.strip() == "PONG":
+                    return True
+            except subprocess.TimeoutExpired:
+                pass
+            time.sleep(0.05)
+        if raise_:
+            raise RuntimeError(f"redis-server on port {port} did not answer; log: {self.dir}/{port}.log")
+        return False
+
+    def _create_cluster(self) -> None:
+        done = self._cli("--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports], "--cluster-replicas", "0",
+                         "--cluster-yes", timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-500:]} {done.stderr[-500:]}")
+        self.wait_ok()
+
+    def wait_ok(self, timeout: float = 30) -> None:
+        """Until every live node says cluster_state:ok and knows every other live node."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [self._cli("cluster", "info", port=p, timeout=5).stdout for p in self.live]
+            if all("cluster_state:ok" in s for s in states):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"the redis cluster did not reach cluster_state:ok in {timeout:.0f} s ({self.dir})")
+
+    @property
+    def live(self) -> list[int]:
+        return [p for p in self.ports if self.procs.get(p) is not None and self.procs[p].poll() is None]
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node ``i`` (its process group)."""
+        port = self.ports[i]
+        proc = self.procs.pop(port, None)
+        if proc is not None:
+            _killpg(proc)
+
+    def restart(self, i: int) -> None:
+        """Start node ``i`` again on its port: empty (nothing is persisted), same node id and slots (nodes.conf)."""
+        self._spawn(i)
+        self._wait_ping(self.ports[i])
+        if self.cluster:
+            self.wait_ok()
+
+    def keys(self) -> int:
+        """Keys stored over every live node."""
+        return sum(int(self._cli("dbsize", port=p).stdout.strip() or 0) for p in self.live)
+
+    def _kill_all(self) -> None:
+        for port in list(self.procs):
+            _killpg(self.procs.pop(port))
+
+    def stop(self) -> None:
+        self._kill_all()
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisProcs:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)    # the group we created for it (start_new_session), nobody else's
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
