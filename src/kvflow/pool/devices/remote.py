@@ -388,13 +388,13 @@ def fetch(st: PoolState, keys: list[ChunkKey], on_error: OnError) -> dict[ChunkK
                      nbytes=lambda rs: sum(len(r) for r in rs if isinstance(r, bytes)))
         if got is None:
             continue
-        bad, moved = [], 0
+        bad, moved, found = [], 0, 0
         for key, data in zip(want, got):
             if not isinstance(data, bytes):
                 continue
             try:
                 out[key] = decode(_owned(data).numpy(), expect=key)[1]
-                moved += len(data)
+                moved, found = moved + len(data), found + 1
             except RecordError as err:
                 bad.append(key)
                 log.warning("pool: dropping record %s from %s: %s", key.hex, dev.name, err)
@@ -404,7 +404,7 @@ def fetch(st: PoolState, keys: list[ChunkKey], on_error: OnError) -> dict[ChunkK
             except OSError:
                 pass
         with st.lock:
-            s.counters["reads"] += len(out)
+            s.counters["reads"] += found
             s.counters["read_bytes"] += moved
             s.counters["corrupt"] += len(bad)
             st.counters["corrupt"] += len(bad)
