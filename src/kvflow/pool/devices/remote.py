@@ -146,6 +146,7 @@ class RemoteDevice(Device):
         with self._lock:
             if self._client is None:
                 self._client = self._connect()
+                self.reachable = True
             return self._client
 
     def _connect(self):
