@@ -135,10 +135,12 @@ def batch_mean_bound(probe: CellProbe, requests: list[tuple[int, QueryTimes]], l
                for k in range(1, len(alone) + 1)) / len(alone)
 
 
-def recompute_rate(runner: ModelRunner, chunk_tokens: int, repeats: int = 5, layers: int | None = None) -> float:
+def recompute_rate(runner: ModelRunner, chunk_tokens: int, repeats: int = 10, layers: int | None = None) -> float:
     """KV bytes per second that recompute produces at short context, measured warm now: one chunk at position 0
-    through ``layers`` layers (default all), median of ``repeats`` after one warm-up. The denominator of rho
-    (DESIGN.md §5), the same for restore, batch, pipeline and demo."""
+    through ``layers`` layers (default all), the fastest of ``repeats`` after one warm-up — a neighbour's burst
+    during one repetition must not set every link of the run (a machine that is slow throughout is slow in
+    every repetition, and the rate follows it). The denominator of rho (DESIGN.md §5), the same for restore,
+    batch, pipeline and demo."""
     n = runner.num_layers if layers is None else layers
     ids = torch.randint(0, min(runner.config.vocab_size, 32000), (chunk_tokens,),
                         generator=torch.Generator().manual_seed(0))
@@ -149,7 +151,7 @@ def recompute_rate(runner: ModelRunner, chunk_tokens: int, repeats: int = 5, lay
         t0 = time.perf_counter()
         runner.run_layers(cache, h, 0, (0, n))
         times.append(time.perf_counter() - t0)
-    return chunk_tokens * runner.kv_bytes_per_token() * n / runner.num_layers / statistics.median(times[1:])
+    return chunk_tokens * runner.kv_bytes_per_token() * n / runner.num_layers / min(times[1:])
 
 
 def odirect_read_rate(path: str, nbytes: int, threads: int = 4, block: int = 1 << 20) -> float:
