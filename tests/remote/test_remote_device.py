@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvflow import KVPool
 from kvflow.chunks.record import decode
@@ -157,3 +159,32 @@ def test_credentials_never_appear_in_names_or_reprs(monkeypatch):
     assert cfg.devices[0].password == "s3cret-pw"             # the pool-level (env) password reaches the device
     text = repr(cfg) + cfg.devices[0].name
     assert "s3cret" not in text and "url-pw" not in text
+
+
+def test_a_context_the_store_does_not_hold_costs_one_round_trip(cluster):
+    ids, _, _ = context(64, seed=9)
+    with KVPool.open(remote_cfg(cluster)) as pool:
+        dev = pool.slots[0].device.inner
+        before = dev.rounds
+        assert pool.longest_prefix(ids, FP, GROUPS) == 0
+        assert dev.rounds - before == 1
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chunks=st.integers(1, 40), stored=st.data())
+def test_longest_prefix_over_the_store_is_exactly_the_stored_prefix(cluster, chunks, stored):
+    """Whatever prefix [0, m) of a context the store holds and whatever prefix [0, n <= m) the local index knows,
+    the answer is m."""
+    m = stored.draw(st.integers(0, chunks), label="stored chunks")
+    n = stored.draw(st.integers(0, m), label="known locally")
+    ids, keys, data = context(chunks, seed=chunks * 100 + m)
+    tiny = {k: v[:, :, :1] for k, v in data.items()}
+    try:
+        with KVPool.open(remote_cfg(cluster, remote_placement="copy")) as writer:
+            writer.put_many({k: tiny[k] for row in keys[:m] for k in row})
+        with KVPool.open(remote_cfg(cluster, {"type": "memory", "capacity": "8M"}, remote_placement="copy")) as pool:
+            pool.put_many({k: tiny[k] for row in keys[:n] for k in row})
+            assert pool.longest_prefix(ids, FP, GROUPS) == m * 16
+    finally:
+        for p in cluster.live:
+            cluster._cli("flushall", port=p)

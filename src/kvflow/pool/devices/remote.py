@@ -347,29 +347,36 @@ def contains(st: PoolState, keys: list[ChunkKey], local: list[bool], on_error: O
 
 def extend_prefix(st: PoolState, hashes: list[bytes], tails: list[bytes], n: int, on_error: OnError) -> int:
     """Chunks of the longest prefix stored locally or in the store, given that the first ``n`` are known locally.
-    The last chunk is tried first (a whole context stored: one round trip), then a binary search over the chunk
-    chain, one pipelined round per probe (a chunk is there when every layer group's record is): O(log chunks)
-    round trips, not one per chunk. It assumes the stored chunks of a context are a prefix; a hole the store
-    evicted below the answer is a miss on read and is recomputed — the answer is a hint, the read is the check."""
+    One pipelined round asks for the first unknown chunk and the last one together (nothing there / the whole
+    context there: done), then a binary search over the chunk chain, one round per probe (a chunk is there when
+    every layer group's record is): O(log chunks) round trips, never one per chunk. It assumes the stored chunks
+    of a context are a prefix; a hole the store evicted below the answer is a miss on read and is recomputed — the
+    answer is a hint, the read is the check."""
     if n >= len(hashes) or not _remote(st):
         return n
     table, slots = st.table, st.slots
 
-    def there(i: int) -> bool:
-        need = []
-        for tail in tails:
-            d = record_digest(hashes[i], tail)
-            e = table.get(d)
-            if e is None or not slots[e.dev].healthy:
-                need.append(d)
-        return not need or len(_present(st, need, on_error)) == len(need)
+    def there(chunks: list[int]) -> list[bool]:
+        need = {}
+        for i in chunks:
+            for tail in tails:
+                d = record_digest(hashes[i], tail)
+                e = table.get(d)
+                if e is None or not slots[e.dev].healthy:
+                    need.setdefault(i, []).append(d)
+        have = _present(st, [d for ds in need.values() for d in ds], on_error) if need else set()
+        return [all(d in have for d in need.get(i, ())) for i in chunks]
 
-    if there(len(hashes) - 1):
+    last = len(hashes) - 1
+    first_ok, last_ok = there([n, last]) if last > n else there([n]) * 2
+    if not first_ok:
+        return n
+    if last_ok:
         return len(hashes)
-    lo, hi = n, len(hashes) - 1          # chunks [0, lo) there, the answer lies in [lo, hi]
+    lo, hi = n + 1, last                 # chunks [0, lo) there, the answer lies in [lo, hi]
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if there(mid - 1):
+        if there([mid - 1])[0]:
             lo = mid
         else:
             hi = mid - 1
@@ -417,8 +424,11 @@ def copy(st: PoolState, items: Iterable[tuple[ChunkKey, torch.Tensor, int]], dty
     """``remote_placement: copy``: every record the pool stored locally is also written to the store (pipelined
     SETs, encoded on the slot's workers). Best effort — a copy that fails is counted (``put_errors``) and logged,
     the local record stays. Returns records copied."""
-    items = list(items)
-    if st.cfg.remote_placement != "copy" or not items or st.readonly:
+    if st.cfg.remote_placement != "copy" or st.readonly:
+        return 0
+    remote = {i for i, s in enumerate(st.slots) if getattr(s.device.inner, "content_addressed", False)}
+    items = [it for it in items if (e := st.table.get(it[0].digest)) is None or e.dev not in remote]
+    if not items:               # a pool of nothing but the store stripes to it: no second copy
         return 0
     copied = 0
     for i in _remote(st):
