@@ -344,7 +344,8 @@ class LocalServer:
                 "pool": st.pool_hit_tokens / total if total else 0.0,
                 "miss": st.miss_tokens / total if total else 0.0,
                 "preemptions": st.preemptions,
-                "strategy_mix": dict(self.engine.pool.loaded_tokens) if self.engine.pool else {}}
+                "strategy_mix": dict(self.engine.pool.loaded_tokens) if self.engine.pool else {},
+                "pool_counters": dict(self.engine.pool.counters) if self.engine.pool else {}}
 
 
 def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, name: str = "pool",
