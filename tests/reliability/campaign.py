@@ -105,7 +105,7 @@ def check(cfg: dict, written: list[int], acked: list[int], damaged: set[bytes] =
     t = Trial("", acked=len(acked) * BATCH)
     intact = acked if intact is None else intact
     try:
-        pool = KVPool.open(cfg)
+        pool = _open_after_exit(cfg)
     except (KVFlowError, OSError) as err:          # what can a user still read? (counted, but not clean)
         t.fsck_clean = False
         t.note = f"reopen failed: {err}"
@@ -131,6 +131,19 @@ def check(cfg: dict, written: list[int], acked: list[int], damaged: set[bytes] =
         t.acked_lost = sum(1 for b in acked for k in batch_keys(b) if got[k] is None)
         t.intact_lost = sum(1 for b in intact for k in batch_keys(b) if got[k] is None and k.digest not in damaged)
     return t
+
+
+def _open_after_exit(cfg: dict) -> KVPool:
+    """Open for writing; a killed writer's locks are released during its exit, which the parent can observe a
+    moment early (the exit closes its fds one by one): retry that, and only that, for up to a second."""
+    for attempt in range(20):
+        try:
+            return KVPool.open(cfg)
+        except KVFlowError as err:
+            if "another process" not in str(err) and "in use by another" not in str(err) or attempt == 19:
+                raise
+            time.sleep(0.05)
+    raise AssertionError("unreachable")
 
 
 # -- (a) kill -9 ---------------------------------------------------------------------------------------------
