@@ -122,3 +122,10 @@ def test_a_short_direct_write_is_resubmitted_from_an_aligned_page(tmp_path, monk
     assert all(off % SUPERBLOCK == 0 and n % SUPERBLOCK == 0 for off, n in calls), calls
     assert torch.equal(dev.read(8192, buf.numel()), buf)
     dev.close()
+
+
+def test_init_force_never_removes_what_is_not_a_file_or_block_device(tmp_path, capsys):
+    os.symlink("/dev/null", tmp_path / "disk.img")
+    (tmp_path / "kvflow.yaml").write_text(yaml.safe_dump({"pool": cfg_for(tmp_path)}))
+    assert main(["pool", "init", str(tmp_path / "kvflow.yaml"), "--force"]) == 2
+    assert "not a regular file" in capsys.readouterr().err and os.path.exists("/dev/null")

@@ -95,6 +95,8 @@ def _format(config: Path) -> None:
                 os.close(fd)
         elif path.is_dir():
             raise ConfigError(f"{path} is a folder; a {dev.type} device is a file")
+        elif not path.is_file() or path.is_symlink():
+            raise ConfigError(f"{path} is not a regular file or a block device; --force formats only those")
         else:
             path.unlink()
     if cfg.index_dir and os.path.isdir(cfg.index_dir):
