@@ -80,7 +80,7 @@ class DeviceConfig:
     @property
     def name(self) -> str:
         """Stable identity recorded in the manifest: type + absolute path (a remote store: its seed nodes)."""
-        if self.url:
+        if self.type == "remote" and self.url:
             scheme, sep, rest = self.url.partition("://")
             return f"{self.type}:{scheme}{sep}{rest.rpartition('@')[2]}"    # never the credentials of a URL
         return f"{self.type}:{os.path.abspath(self.path)}" if self.path else f"{self.type}:anonymous"
