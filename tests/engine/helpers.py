@@ -7,10 +7,16 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+_REFERENCE: dict = {}
+
+
 def hf_greedy(runner, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' own greedy decoding: the ground truth for every engine output."""
-    out = runner.hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens)
-    return out[0, len(prompt):].tolist()
+    """transformers' own greedy decoding: the ground truth for every engine output (memoised per model)."""
+    key = (runner.fingerprint, tuple(prompt), max_tokens)
+    if key not in _REFERENCE:
+        out = runner.hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens)
+        _REFERENCE[key] = out[0, len(prompt):].tolist()
+    return list(_REFERENCE[key])
 
 
 def synthetic_cost(runner, b=2e-8) -> CostModel:
