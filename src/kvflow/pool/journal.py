@@ -15,7 +15,6 @@ share extents. The allocator is then rebuilt from the recovered table, so index 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 import xxhash
 
 from kvflow.errors import ConfigError, KVFlowError
+from kvflow.pool.devices.base import flock_writer
 
 log = logging.getLogger("kvflow.pool")
 
@@ -162,12 +162,10 @@ class Journal:
         except OSError as err:
             raise ConfigError(f"pool.index_dir {self.root}: {err.strerror}") from None
         self._lockfd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not flock_writer(self._lockfd):
             os.close(self._lockfd)
             raise KVFlowError(f"pool index {self.root} is open for writing in another process "
-                              f"(open it with readonly=True to read alongside)") from None
+                              f"(open it with readonly=True to read alongside)")
 
     # -- manifest -------------------------------------------------------------------------------------------
     def read_manifest(self) -> dict:

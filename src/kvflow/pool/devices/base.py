@@ -12,8 +12,10 @@ Calls are blocking and thread-safe; the pool runs them on one I/O worker pool pe
 
 from __future__ import annotations
 
+import fcntl
 import os
 import struct
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -144,6 +146,20 @@ class Device(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, capacity={self.capacity})"
+
+
+def flock_writer(fd: int, wait_s: float = 1.0) -> bool:
+    """Take the exclusive writer lock on ``fd``; False if another process holds it for ``wait_s``. The short wait
+    covers a writer that was just killed: its exit releases its locks a moment after it is reported dead."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
 
 def check_writable(dev: Device) -> None:

@@ -15,7 +15,6 @@ device, e.g. a loop device: ``losetup --direct-io=on --sector-size 4096 -f --sho
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import stat
@@ -24,8 +23,8 @@ from dataclasses import replace
 import torch
 
 from kvflow.errors import ConfigError, RecordError
-from kvflow.pool.devices.base import (SUPERBLOCK, Device, Owner, aligned_empty, file_size, not_a_device, pack_owner,
-                                      padded, parse_owner, parse_superblock)
+from kvflow.pool.devices.base import (SUPERBLOCK, Device, Owner, aligned_empty, file_size, flock_writer, not_a_device,
+                                      pack_owner, padded, parse_owner, parse_superblock)
 
 log = logging.getLogger("kvflow.pool")
 
@@ -62,11 +61,9 @@ class ExtentDevice(Device):
             raise
 
     def _lock(self, path: str) -> None:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not flock_writer(self._fd):
             raise ConfigError(f"{path} is in use by another writable kvflow pool (an extent device has one "
-                              f"writer; open other pools read-only)") from None
+                              f"writer; open other pools read-only)")
 
     def _open_layout(self, path: str, readonly: bool, existed: bool) -> None:
         have = file_size(self._fd)

@@ -5,7 +5,6 @@ after it is written or read, so repeated benchmark reads measure the disk, not m
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import threading
@@ -15,7 +14,7 @@ from dataclasses import asdict, replace
 import torch
 
 from kvflow.errors import ConfigError, RecordError
-from kvflow.pool.devices.base import Device, Owner, aligned_empty
+from kvflow.pool.devices.base import Device, Owner, aligned_empty, flock_writer
 
 _MARKER = ".kvflow-device"
 _SYNCFS_AFTER = 8     # dirty record files beyond which one syncfs() of the file system beats an fsync per file
@@ -64,11 +63,9 @@ class FilesDevice(Device):
         self._lockfd = -1
         if not readonly:             # one writer per device, as for extents
             self._lockfd = os.open(marker, os.O_RDONLY)
-            try:
-                fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not flock_writer(self._lockfd):
                 os.close(self._lockfd)
-                raise ConfigError(f"{self.root} is in use by another writable kvflow pool") from None
+                raise ConfigError(f"{self.root} is in use by another writable kvflow pool")
         self._dirty: set[str] = set()
         self._lock = threading.Lock()
         self.meta_s = 0.0   # time in open/close/fadvise (filesystem work), summed over threads
