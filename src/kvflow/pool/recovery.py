@@ -11,6 +11,11 @@ allocators agree and no two live rows share an extent. Two sources, one result:
     per device: drop rows the device cannot hold, sort by offset, keep the newest of overlapping rows
     allocator = used extents of the kept rows;  table = kept rows in sequence order (LRU order = age)
 
+Before any of it, ``claim_devices`` checks every device's owner (its superblock names a pool and that pool's index
+folder): another live pool's device is refused, a device whose index is gone is adopted; a writer then records
+itself as the owner. In relaxed mode, after a crash, the rows only the log names are read and verified first (the
+kernel may write a log page back before the record it names).
+
 Records are self-describing (key, sequence, ranges, checksum: ``chunks/record.py``), so the index is a cache of
 what the devices hold: losing it loses nothing but the time of a scan.
 """
