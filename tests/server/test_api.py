@@ -187,3 +187,16 @@ def test_read_routes_answer(tiny, route):
         async with client(app) as c:
             return await c.get(route)
     assert run(go()).status_code == 200
+
+
+def test_several_prompts_in_one_completion_request_get_one_choice_each(tiny):
+    app, _ = make_app(tiny)
+    prompts = [ids(12, 21), ids(20, 22)]
+
+    async def go():
+        async with client(app) as c:
+            return (await c.post("/v1/completions", json=completion(prompts, max_tokens=4))).json()
+    body = run(go())
+    assert [c["token_ids"] for c in body["choices"]] == [hf_greedy(tiny, p, 4) for p in prompts]
+    assert body["usage"]["prompt_tokens"] == 32 and body["usage"]["completion_tokens"] == 8
+    assert body["usage"]["total_tokens"] == 40

@@ -148,6 +148,15 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
             if not done:
                 state["loop"].abort(handle)
 
+    async def collect(handle) -> tuple[str, list[int], RequestOutput]:
+        """Text, token ids and the last output of one request, run to its end."""
+        text, ids, last = [], [], None
+        async for out in events(handle):
+            text.append(out.text_delta)
+            ids.extend(out.new_token_ids)
+            last = out
+        return "".join(text), ids, last
+
     def usage(out: RequestOutput) -> dict:
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens,
@@ -182,17 +191,19 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
         handles = [submit(ids, params) for ids in prompts]
         if req.stream:
             return _sse(_stream_completion(events(handles[0]), rid, created, model_name, req.include_usage, usage))
-        choices, total = [], None
-        for i, handle in enumerate(handles):
-            text, ids, last = "", [], None
-            async for out in events(handle):
-                text, ids, last = text + out.text_delta, ids + out.new_token_ids, out
-            choices.append({"index": i, "text": text, "token_ids": ids, "logprobs": None,
-                            "finish_reason": last.finish_reason})
-            u = usage(last)
-            total = u if total is None else {k: (total[k] + u[k] if k != "prompt_tokens_details" else
-                                                 {"cached_tokens": total[k]["cached_tokens"] +
-                                                  u[k]["cached_tokens"]}) for k in u}
+        done: list[tuple[str, list[int], RequestOutput]] = []
+        try:
+            for handle in handles:
+                done.append(await collect(handle))
+        finally:
+            for handle in handles[len(done) + 1:]:      # one failed: the others are not waited for
+                state["loop"].abort(handle)
+        choices = [{"index": i, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": last.finish_reason}
+                   for i, (text, ids, last) in enumerate(done)]
+        parts = [usage(last) for _, _, last in done]
+        total = {k: sum(u[k] for u in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
+                                                               for u in parts)}
         metrics.responses.labels(request.url.path, "200").inc()
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": total}
@@ -209,9 +220,7 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
         handle = submit(ids, params)
         if req.stream:
             return _sse(_stream_chat(events(handle), rid, created, model_name, req.include_usage, usage))
-        text, tokens, last = "", [], None
-        async for out in events(handle):
-            text, tokens, last = text + out.text_delta, tokens + out.new_token_ids, out
+        text, tokens, last = await collect(handle)
         metrics.responses.labels(request.url.path, "200").inc()
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": tokens,
