@@ -60,7 +60,7 @@ class _EngineCollector:
         yield hits
         reqs = CounterMetricFamily("kvflow_prefix_hit_requests", "requests by their longest prefix hit",
                                    labels=["source"])
-        for source, v in st.requests_by_hit.items():
+        for source, v in list(st.requests_by_hit.items()):
             reqs.add_metric([source], v)
         yield reqs
         yield counter("kvflow_requests", "requests admitted", st.requests)
@@ -87,9 +87,9 @@ class _EngineCollector:
         loaded = CounterMetricFamily("kvflow_restored_tokens", "restored context tokens by strategy and how",
                                      labels=["strategy", "how"])
         if pool is not None:
-            for strategy, v in pool.loaded_tokens.items():
+            for strategy, v in list(pool.loaded_tokens.items()):         # a snapshot: the worker adds strategies
                 loaded.add_metric([strategy, "loaded"], v)
-            for strategy, v in pool.recomputed_tokens.items():
+            for strategy, v in list(pool.recomputed_tokens.items()):
                 loaded.add_metric([strategy, "recomputed"], v)
         yield loaded
         if pool is not None:
