@@ -161,7 +161,9 @@ def pool_cases(draw) -> Case:
     if cmd == "stat" and draw(st.booleans()):
         argv.append("--json")
     if cmd == "fsck" and draw(st.booleans()):
-        argv.append("--dry-run")
+        argv += draw(st.sampled_from([["--dry-run"], ["--rebuild"], ["--rebuild", "--dry-run"]]))
+    if cmd == "init" and draw(st.integers(0, 3)) == 0:
+        argv.append("--force")           # formats only what the case's folder holds (special files are refused)
     if draw(st.integers(0, 9)) == 0:
         argv.append(draw(st.sampled_from(["--bogus", "--size", "extra"])))
     if draw(st.integers(0, 2)) == 0:                    # a pool that already exists

@@ -80,7 +80,9 @@ def _format(config: Path) -> None:
             continue
         path = Path(dev.path)
         if dev.type == "files":
-            if path.is_dir() and any(path.iterdir()) and not (path / ".kvflow-device").exists():
+            if not path.is_dir() or path.is_symlink():
+                raise ConfigError(f"{path} is not a folder; a files device is a folder")
+            if any(path.iterdir()) and not (path / ".kvflow-device").exists():
                 raise ConfigError(f"{path} is a folder with other files in it, not a kvflow files device; "
                                   f"--force formats only kvflow devices and files — remove it yourself")
             shutil.rmtree(path)
