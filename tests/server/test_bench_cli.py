@@ -42,8 +42,10 @@ def test_bad_options_are_one_line_and_exit_2(args, capsys, tmp_path):
 def test_bench_serve_restores_from_a_throttled_pool_on_disk(tmp_path, monkeypatch, tiny):
     from tests.engine.helpers import synthetic_cost
     monkeypatch.setattr("kvflow.cli.restore_cmds.ensure_cost", lambda runner, n: synthetic_cost(runner))
-    assert main(["bench", "serve", "--configs", "cacheflow", "--users", "3", "--rounds", "2", "--rate", "50",
-                 "--system-tokens", "64", "--user-tokens", "8", "--answer-tokens", "2", "--think", "0",
+    # writes reach the pool asynchronously (never on the TTFT path): think time between turns lets them land, and
+    # three rounds give every user two chances at a pool hit, so the test does not hang on a race with the write queue
+    assert main(["bench", "serve", "--configs", "cacheflow", "--users", "3", "--rounds", "3", "--rate", "50",
+                 "--system-tokens", "64", "--user-tokens", "8", "--answer-tokens", "2", "--think", "1",
                  "--kv-share", "0.05", "--chunk-tokens", "16", "--pool-dir", str(tmp_path / "pool"),
                  "--rho", "100", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
