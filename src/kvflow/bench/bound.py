@@ -121,8 +121,10 @@ def batch_bound(probe: CellProbe, requests: list[tuple[int, QueryTimes]], link_b
     the one link, every query runs on the compute side, the cheapest query's last layer + head remain after the
     last load."""
     ordered = sorted((c for n, _ in requests for c in probe.cells(n) for _ in range(probe.num_layers)), reverse=True)
-    return balance_point(ordered, cell_bytes / link_bytes_per_s, sum(q.compute_after for _, q in requests),
-                         min(q.io_after for _, q in requests))
+    # requests served together share one LM-head pass (executor): the batch pays at least one head, not one each
+    head = max(statistics.median(q.head) for _, q in requests)
+    queries = sum(statistics.median(q.query) for _, q in requests) + head
+    return balance_point(ordered, cell_bytes / link_bytes_per_s, queries, min(q.io_after for _, q in requests))
 
 
 def batch_mean_bound(probe: CellProbe, requests: list[tuple[int, QueryTimes]], link_bytes_per_s: float,
