@@ -72,10 +72,11 @@ class CellProbe:
     own: QueryTimes = field(default_factory=QueryTimes)
 
     def probe(self, runner: ModelRunner, token_ids: torch.Tensor, grid_chunks: int, max_step: int,
-              step_tokens: int, others: list[tuple["QueryTimes", torch.Tensor, int]] = ()) -> None:
-        """One measurement (two recomputes of the grid + the query). ``others``: (times, suffix ids, start) of
-        more requests whose queries are timed on this cache (a batch: a chunk costs the same at the same position
-        whatever its tokens, so the longest context's probe serves every request)."""
+              others: list[tuple["QueryTimes", torch.Tensor, int]] = ()) -> None:
+        """One measurement (two recomputes of the grid + the query), in the executor's largest steps: ``max_step``
+        tokens for the grid and for the tail + query pieces (a plan's ``step_tokens``). ``others``: (times, suffix
+        ids, start) of more requests whose queries are timed on this cache (a batch: a chunk costs the same at the
+        same position whatever its tokens, so the longest context's probe serves every request)."""
         C, L = self.chunk_tokens, self.num_layers
         grid = grid_chunks * C
         single, cache = [], runner.new_cache(max([token_ids.numel()] + [s + ids.numel() for _, ids, s in others]))
@@ -97,9 +98,9 @@ class CellProbe:
                 best[i] = min(best[i], single[i] * share)
         del big
         self.chunks.append(best)
-        self.own.measure(runner, cache, token_ids[grid:], grid, step_tokens)
+        self.own.measure(runner, cache, token_ids[grid:], grid, max_step)
         for times, ids, start in others:
-            times.measure(runner, cache, ids, start, step_tokens)
+            times.measure(runner, cache, ids, start, max_step)
 
     def cells(self, chunks: int | None = None) -> list[float]:
         """Median over probes of each chunk's cheapest cost, per cell (chunk cost / layers), chunk order."""
@@ -107,8 +108,8 @@ class CellProbe:
         return [statistics.median(p[i] for p in self.chunks) / self.num_layers for i in range(n)]
 
     def bound(self, link_bytes_per_s: float, cell_bytes: int) -> float:
-        ordered = sorted((c for c in self.cells() for _ in range(self.num_layers)), reverse=True)
-        return balance_point(ordered, cell_bytes / link_bytes_per_s, self.own.compute_after, self.own.io_after)
+        """This context alone: a batch of one."""
+        return batch_bound(self, [(len(self.chunks[0]), self.own)], link_bytes_per_s, cell_bytes)
 
     def summary(self) -> dict:
         return {"probes": len(self.chunks), "grid_recompute_s": sum(self.cells()) * self.num_layers,

@@ -176,7 +176,7 @@ def run(cfg: PipelineBenchConfig, progress: Progress = lambda s: None) -> dict:
                 progress("measuring the bound (cell costs, query alone) with a stage's threads")
                 torch.set_num_threads(cfg.threads)
                 try:
-                    probe.probe(runner, ids, n, planner.config.max_step, planner.config.max_step)
+                    probe.probe(runner, ids, n, planner.config.max_step)
                 finally:
                     torch.set_num_threads(before)
 

@@ -169,7 +169,7 @@ def measure(bench: Bench, pool_name: str, n: int, strategies, repeats: int, prog
             progress(f"{label}: {'measuring the bound' if s == PROBE else s} ({rep + 1}/{repeats})")
             gc.collect()
             if s == PROBE:
-                probe.probe(bench.runner, ids, n // bench.chunk_tokens, step, step)
+                probe.probe(bench.runner, ids, n // bench.chunk_tokens, step)
                 continue
             out = restorer.restore(ctx, query, s)
             diff, ok = kv_diff(out, bench.refs[n]), out.logits.argmax().item() == ref_argmax
@@ -325,7 +325,7 @@ def measure_batch(bench: Bench, lengths: list[int], rho: float, repeats: int, pr
                      f"({rep + 1}/{repeats})")
             gc.collect()
             if s == PROBE:
-                probe.probe(bench.runner, torch.cat(requests[longest]), lengths[longest] // C, step, step, others)
+                probe.probe(bench.runner, torch.cat(requests[longest]), lengths[longest] // C, step, others)
                 continue
             outs = restorer.restore_batch(requests, s, m)
             runs[f"{s}/{m}"].append([o.timings.ttft_s for o in outs])
