@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -177,8 +177,14 @@ class Restorer:
         return self.cost if self.calibration is None else self.calibration.scaled(self.cost)
 
     def planner(self) -> Planner:
-        return Planner(self.planned_cost(), self.io_model(), self.runner.num_layers, self.chunk_tokens,
-                       self.planner_config)
+        """Plans on the calibrated model, holding cacheflow's choice under the speed band the calibration's own
+        error calls for (cost/calibration.py: the configured band until each side was seen twice, then narrower
+        on a steady machine)."""
+        config = self.planner_config
+        if self.calibration is not None:
+            config = replace(config, compute_band=self.calibration.band("compute", config.compute_band),
+                             io_band=self.calibration.band("io", config.io_band))
+        return Planner(self.planned_cost(), self.io_model(), self.runner.num_layers, self.chunk_tokens, config)
 
     def _observe(self, events) -> None:
         if self.calibration is not None:

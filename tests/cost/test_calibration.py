@@ -46,3 +46,29 @@ def test_a_restorer_with_a_far_too_optimistic_profile_corrects_itself(tiny):
     frozen = Restorer(tiny, restorer.pool, cost=profile, calibrate=False)
     frozen.restore(ids, ids[:5], "recompute")
     assert frozen.planned_cost() is profile
+
+
+def _observe(cal: Calibration, ratio: float) -> None:
+    cost = cost_model()
+    predicted = cost.compute_time(256, 512, 4)
+    cal.observe([Event("compute", (512, 768), (0, 4), 0.0, ratio * predicted)], cost, 0.05, 256)
+
+
+def test_the_band_is_the_configured_one_until_a_side_was_seen_twice():
+    cal = Calibration()
+    assert cal.band("compute", 0.35) == 0.35
+    _observe(cal, 3.0)                  # a stale profile: the scale jumps to it, the band does not narrow yet
+    assert abs(cal.compute - 3.0) < 1e-9 and cal.band("compute", 0.35) == 0.35
+    assert cal.band("io", 0.15) == 0.15
+
+
+def test_a_steady_machine_narrows_the_band_and_an_erratic_one_keeps_it():
+    """The band follows how wrong the calibrated model was: a machine that keeps the speed it was calibrated at
+    (within 1%) gets a narrow band, never below the floor; one that swings by 2x keeps the configured ceiling."""
+    steady, erratic = Calibration(), Calibration()
+    for k in range(12):
+        _observe(steady, 3.0 * (1.01 if k % 2 else 0.99))
+        _observe(erratic, 3.0 * (2.0 if k % 2 else 0.5))
+    assert 0.03 <= steady.band("compute", 0.35) < 0.1
+    assert erratic.band("compute", 0.35) == 0.35
+    assert steady.band("compute", 0.02) == 0.02      # the configured band is the ceiling

@@ -207,3 +207,32 @@ def test_planner_config_comes_from_the_config_loader_with_env_overrides(monkeypa
     monkeypatch.setenv("KVFLOW_PLANNER_MAX_STEP", "abc")
     with pytest.raises(ConfigError):
         PlannerConfig.load()
+
+
+@settings(max_examples=30, deadline=None)
+@given(rho=st.sampled_from([0.25, 1, 4, 8]), n=st.integers(1, 40))
+def test_sharing_the_last_chunk_layer_by_layer_moves_the_restore_by_at_most_one_chunk(rho, n):
+    """The simulator prices the token plan's cell meet (the last unclaimed chunk shared layer by layer, whoever
+    is free first taking the next layer, as the executor runs it): it moves the restore by at most one chunk's
+    work on either side from the same steps meeting at whole chunks."""
+    from dataclasses import replace as swap
+
+    from kvflow.planner.simulate import simulate_plan
+    p = planner(rho)
+    token = p.plan("token", Request(n * C + 7, 8, n))
+    shared = simulate_plan(token, p.cost, p.io.read_time)
+    whole = simulate_plan(swap(token, cell_meet=False), p.cost, p.io.read_time)
+    one_chunk = p.cost.step_time(((n - 1) * C, n * C), 1) * L + p.io.read_time(L)
+    assert abs(shared.restore_s - whole.restore_s) <= one_chunk + 1e-9
+    assert 0 <= shared.recomputed <= n
+
+
+def test_a_narrow_band_lets_the_nominally_fastest_plan_win():
+    """With the speed band narrowed (a calibrated model that has been right on this machine), cacheflow takes the
+    plan its model predicts fastest; with the configured band it may keep a slower plan that moves at run time."""
+    for rho in (0.5, 1, 2, 8):
+        p = planner(rho, compute_band=0.0, io_band=0.0)
+        req = Request(32 * C, 32, 32)
+        names = ["token", "layer", "staircase", "load-layerwise", "recompute"]
+        fastest = min(p.plan(s, req).predicted.ttft_s for s in names)
+        assert p.plan("cacheflow", req).predicted.ttft_s == pytest.approx(fastest, rel=2e-3)

@@ -176,7 +176,7 @@ class PipelinePlanner:
             act_s = self.act_bytes / bandwidths[g] if inputs == "act" else 0.0
             plan = self._stage_plan(req, (l0, l1), bandwidths[g], strategy, clip, inputs)
             sim = simulate_plan(plan, self.cost, io.read_time, start_s=start, usable=usable, act_s=act_s,
-                                query=False) if plan.dynamic_meet else \
+                                query=False, cell_meet=False) if plan.dynamic_meet else \
                 SimResult(io.cells_time(n * (l1 - l0)), start, 0.0, io.cells_time(n * (l1 - l0)), 0,
                           io.cells_time(n * (l1 - l0)))
             sims.append(sim)

@@ -7,6 +7,9 @@ Every prediction of a run-time meet goes through :func:`simulate` — one reques
                    last chunk with inputs) and claims chunks [lo, end) before it runs
     I/O side       walks its (request, load) items in order; a load of chunk c claims it if still unclaimed
     whoever is free earlier claims next; a request's tail + query runs on the compute side once its grid is whole
+    cell meet      (``plan.cell_meet``) the compute side never claims the last unclaimed chunk whole; once one is
+                   left both sides share it layer by layer — compute bottom-up, I/O top-down, whoever is free first
+                   takes the next layer — as the executor does (executor/compute.py, executor/io.py)
 
 Static plans (every cell's side fixed in advance) need no meet and are priced in ``predict``.
 """
@@ -26,6 +29,7 @@ class SimJob:
     usable: int | None = None       # compute may not pass this chunk (a stage's inputs end there)
     act_s: float = 0.0              # I/O-side seconds per chunk the compute side claims (a stage's activations)
     query: bool = True              # run tail + query + head when the grid is whole (a stage leaves it to the pipe)
+    cell_meet: bool = True          # the plan's cell meet applies (a pipeline stage never shares a chunk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,28 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
     tc, tio, ci, ii = min((j.start_s for j in jobs), default=0.0), 0.0, 0, 0
     waiting = list(query_order)
 
+    def share(r: int, tc: float, tio: float) -> tuple[float, float]:
+        """Cell meet: the last unclaimed chunk of request r, layer by layer from both ends."""
+        plan, s = jobs[r].plan, lo[r]
+        layer = cost.step_time((s * plan.chunk_tokens, (s + 1) * plan.chunk_tokens), 1)
+        low, high = 0, plan.num_layers
+        joins = ii < len(io_order) and io_order[ii][0] == r     # the I/O side is elsewhere in a batch: not now
+        while low < high:
+            if tc <= tio or not joins:
+                tc, low = tc + layer, low + 1
+                busy_c[r] += layer
+                c_end[r] = tc
+            else:
+                dt = read_s(1)
+                tio, high = tio + dt, high - 1
+                busy_io[r] += dt
+                loaded_at[r] = tio
+        lo[r] = hi[r] = s + 1 if high == plan.num_layers else s    # recomputed: only if the I/O side got no layer
+        return tc, tio
+
+    def last_one(r: int) -> bool:
+        return jobs[r].cell_meet and jobs[r].plan.cell_meet and hi[r] - lo[r] == 1 and lo[r] < limit[r]
+
     def serve(now: float, final: bool) -> float:
         for r in list(waiting):
             if lo[r] >= hi[r] or (final and left[r] == 0):
@@ -76,6 +102,8 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
             left[r] -= 1
             job, C = jobs[r], jobs[r].plan.chunk_tokens
             a, b = max(step.tokens[0], lo[r] * C), min(step.tokens[1], hi[r] * C, limit[r] * C)
+            if job.plan.cell_meet:
+                b = min(b, (hi[r] - 1) * C)
             if b > a and a // C == lo[r]:
                 tc = max(tc, job.start_s)
                 if job.act_s:   # the step's activations cross the link first: fetched while the previous step ran
@@ -96,12 +124,17 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
                         fetched[r] = (0, 0.0)
                 dt = cost.step_time((a, b), step.layers[1] - step.layers[0])
                 tc, busy_c[r], lo[r], c_end[r] = tc + dt, busy_c[r] + dt, b // C, tc + dt
+            if last_one(r):
+                tc, tio = share(r, max(tc, job.start_s), tio)
             tc = serve(tc, False)
         else:
             r, step = io_order[ii]
             ii += 1
             c0 = step.chunks[0]
-            if lo[r] <= c0 < hi[r]:
+            if last_one(r) and c0 == lo[r]:
+                tc, tio = share(r, tc, tio)
+                tc = serve(tc, False)
+            elif lo[r] <= c0 < hi[r]:
                 dt = read_s((step.chunks[1] - c0) * (step.layers[1] - step.layers[0]))
                 tio, busy_io[r], hi[r], loaded_at[r] = tio + dt, busy_io[r] + dt, c0, tio + dt
     serve(tc, True)
