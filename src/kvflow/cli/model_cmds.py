@@ -94,7 +94,7 @@ def profile_cmd(
     model: str = typer.Argument(..., help="preset name (see `kvflow models`) or checkpoint directory"),
     show: bool = typer.Option(False, "--show", help="print the saved fit and its held-out error (profiles first if none)"),
     max_position: int = typer.Option(8192, "--max-position", min=256, help="largest context position profiled"),
-    repeats: int = typer.Option(3, min=1, help="timings per point (median)"),
+    repeats: int = typer.Option(3, min=1, help="timings per point (the fastest is kept)"),
     out: Optional[Path] = typer.Option(None, help="where to save the JSON (default ~/.cache/kvflow/profiles/)"),
     seed: int = typer.Option(0, help="weight seed for presets"),
     dtype: str = typer.Option("float32", help="compute dtype (float32 is the exact path; bf16 is 3-7x slower on "
