@@ -3,6 +3,7 @@ the call returns only after the data device and the log were synced — proven b
 the pool makes, not by timing."""
 
 import os
+import time
 
 import pytest
 
@@ -68,3 +69,28 @@ def test_a_strict_put_returns_only_after_the_data_device_and_then_the_log_were_s
         assert data_written < data_synced < log_written < log_synced, returned
     else:                                         # relaxed: the periodic checkpoint syncs, the put does not
         assert data_synced == -1 and log_synced == -1, returned
+
+
+def test_a_relaxed_put_acknowledged_before_synced_at_has_its_data_and_its_log_entry_synced(tmp_path, monkeypatch):
+    """``synced_at`` is when the last completed sync pass began: once it passes a put's acknowledgement, that
+    put's record and its log entry were both synced after they were written (what a power cut then keeps)."""
+    cfg = {"index_dir": str(tmp_path / "idx"), "durability": "relaxed", "checkpoint_interval_s": 0.05,
+           "devices": [device_cfg(tmp_path, "extent", bandwidth=1 << 30)]}
+    keys = context_keys(4)
+    with KVPool.open(cfg) as pool:
+        assert pool.synced_at > 0, "the checkpoint at open is a completed pass"
+        events = _record_io(monkeypatch)
+        assert pool.put_many({k: tensor_for(k) for k in keys}) == len(keys)
+        acked, put_end = time.time(), len(events)
+        deadline = time.monotonic() + 60
+        while pool.synced_at <= acked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen = list(events)
+        monkeypatch.undo()
+        assert pool.synced_at > acked, "the background pass never completed"
+        assert pool.stats()["sync_passes"] >= 2
+    is_data, is_log = (lambda f: f == "disk.img"), (lambda f: f.startswith("wal."))
+    assert _last(seen[:put_end], ("pwritev",), is_data) >= 0 and _last(seen[:put_end], ("write",), is_log) >= 0
+    after = seen[put_end:]
+    assert _last(after, ("fsync", "fdatasync"), is_data) >= 0, seen
+    assert _last(after, ("fsync", "fdatasync"), is_log) >= 0, seen

@@ -1,13 +1,18 @@
 """The reliability campaign: attack the pool the ways machines fail and count, for every trial, what a user
-would lose. ``make reliability`` runs the full campaign; ``make test`` a short one (test_campaign.py).
+would lose. ``make reliability`` runs the full campaign; ``make test`` a short one (test_kill_campaign.py,
+test_disk_campaign.py).
 
     python -m tests.reliability.campaign --kills 500 --power-cuts 50 --out docs/bench/reliability.json
+
+``--kills`` and ``--power-cuts`` count trials per durability mode (strict and relaxed each get that many).
 
 Trial kinds (DESIGN.md §6, issue 10):
   kill-strict / kill-relaxed        kill -9 of a writer at a random moment (opening, mid-put, mid-checkpoint)
   powercut-strict / -relaxed        ext4 on a loop device, the writer on it; the writer frozen (SIGSTOP) at a random
                                     moment, the file system shut down without flushing its log
                                     (FS_IOC_SHUTDOWN, NOLOGFLUSH), the writer killed, unmount, remount, reopen
+  powercut-strict-evicting          the same on devices so small that every put evicts
+  powercut-relaxed-after-close      a relaxed writer closes its pool cleanly, then the power is cut
   corrupt-<damage>                  a pool with records in checkpoint and log, one kind of damage, reopen
   two-pools                         two configs (own index_dir) over one extent file
   enospc-init / enospc-put          a capacity larger than the file system at init; puts into a sparse extent
@@ -44,7 +49,7 @@ from kvflow.errors import KVFlowError
 from kvflow.pool import KVPool
 
 from tests.reliability import writer
-from tests.reliability.writer import BATCH, batch_keys, parse_acks, record_for
+from tests.reliability.writer import BATCH, batch_keys, last_sync, parse_acks, record_for
 
 FS_IOC_SHUTDOWN = 0x8004587D          # _IOR('X', 125, __u32)
 FS_SHUTDOWN_FLAG_NOLOGFLUSH = 2
@@ -59,8 +64,10 @@ class Trial:
     fsck_clean: bool = True      # fsck right after recovery: every indexed record verifies, no overlaps
     acked: int = 0
     note: str = ""
-    bounded_lost: int = 0        # relaxed: acknowledged records older than the sync interval that were lost
+    bounded_lost: int = 0        # relaxed: records acknowledged before the last completed sync pass began, lost
     oldest_lost_s: float = 0.0   # relaxed power cut: age at the cut of the oldest acknowledged record lost
+    horizon_s: float = 0.0       # relaxed power cut: how long before the cut the last completed sync pass began
+    sync_pass_max_s: float = 0.0  # relaxed power cut: the writer's longest sync pass
 
 
 # -- process plumbing ------------------------------------------------------------------------------------------
@@ -251,39 +258,59 @@ def ext4(folder: Path, size_mb: int):
 
 
 # -- (b) power cuts -------------------------------------------------------------------------------------------
-def power_cut_trials(root: Path, durability: str, trials: int, seed: int, evicting: bool = False) -> list[Trial]:
+PC_INTERVAL_S = 0.1      # checkpoint_interval_s of the power-cut writers
+
+
+def power_cut_trials(root: Path, durability: str, trials: int, seed: int, evicting: bool = False,
+                     after_close: bool = False) -> list[Trial]:
     """``evicting``: devices of 96 pages, so every put evicts (acknowledged records may legitimately be gone;
-    what is served must be right and fsck clean)."""
+    what is served must be right and fsck clean). ``after_close``: the writer stores 1-200 batches and closes the
+    pool cleanly, then the power is cut: nothing acknowledged may be lost (relaxed included).
+
+    Relaxed: a record acknowledged before the last completed sync pass began (``KVPool.synced_at``, reported by
+    the writer with each acknowledgement) must survive; younger ones may be lost. ``horizon_s`` is how long before
+    the cut that pass began (the interval plus one pass, give or take scheduling)."""
     ctx, rng, out = context(), random.Random(seed), []
-    interval = 0.1
+    kind = f"powercut-{durability}" + ("-evicting" if evicting else "") + ("-after-close" if after_close else "")
     for t in range(trials):
-        with ext4(root / f"pc-{durability}-{t}", 160) as fs:
+        with ext4(root / f"{kind}-{t}", 160) as fs:
             cfg = pool_cfg(fs.mnt / "pool", durability, capacity=96 * 4096 if evicting else 24 << 20,
-                           memory=False, checkpoint_interval_s=interval)
-            ack = root / f"pc-{durability}-ack{t}"
-            p = ctx.Process(target=writer.write_forever, args=(cfg, str(ack), 0, 999))
+                           memory=False, checkpoint_interval_s=PC_INTERVAL_S)
+            ack = root / f"{kind}-ack{t}"
+            p = ctx.Process(target=writer.write_forever,
+                            args=(cfg, str(ack), 0, rng.randrange(1, 200) if after_close else 999))
             p.start()
-            target, deadline = rng.randrange(1, 200), time.monotonic() + 30
-            while _lines(ack) < target and time.monotonic() < deadline and p.is_alive():
-                time.sleep(0.001)
-            time.sleep(rng.uniform(0, 0.003) if rng.random() < 0.5 else rng.uniform(0, 0.6))
-            os.kill(p.pid, signal.SIGSTOP)               # the instant of the cut: nothing after it is acknowledged
+            if after_close:
+                p.join(120)
+            else:
+                target, deadline = rng.randrange(1, 200), time.monotonic() + 30
+                while _lines(ack) < target and time.monotonic() < deadline and p.is_alive():
+                    time.sleep(0.001)
+                time.sleep(rng.uniform(0, 0.003) if rng.random() < 0.5 else rng.uniform(0, 0.6))
+                os.kill(p.pid, signal.SIGSTOP)           # the instant of the cut: nothing after it is acknowledged
             cut = time.time()
             got, closed, _ = parse_acks(ack)
+            synced_at, longest = last_sync(ack)
             fs.shutdown()
-            os.kill(p.pid, signal.SIGKILL)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
             p.join()
             fs.umount()
             fs.mount()                                   # journal replay, as after a reboot
             written = list(range(0, (max(got) + 2) if got else 1))
-            if durability == "strict":
+            if durability == "strict" or after_close:
                 trial = check(cfg, written, list(got))
-            else:                                        # relaxed: only what is older than the sync interval
-                old = [b for b, ts in got.items() if ts < cut - 3 * interval]
-                trial = check(cfg, written, list(got), intact=old)
+                if after_close and not closed:
+                    trial.note = ("the writer did not close; " + trial.note).strip("; ")
+                    trial.fsck_clean = False
+            else:                                        # relaxed: what was acknowledged before the last sync pass
+                synced = [b for b, ts in got.items() if ts < synced_at]
+                trial = check(cfg, written, list(got), intact=synced)
                 trial.bounded_lost = trial.intact_lost
                 trial.oldest_lost_s = round(max([cut - got[b] for b in _lost_batches(cfg, got)], default=0.0), 3)
-            trial.kind = f"powercut-{durability}" + ("-evicting" if evicting else "")
+                trial.horizon_s = round(cut - synced_at, 3) if synced_at else 0.0
+                trial.sync_pass_max_s = round(longest, 3)
+            trial.kind = kind
             out.append(trial)
     return out
 
@@ -521,8 +548,8 @@ def eio_trials(root: Path, repeats: int, seed: int) -> list[Trial]:
 # -- the campaign ---------------------------------------------------------------------------------------------
 def passed(t: Trial) -> bool:
     """The acceptance of issue 10 for one trial: never a wrong record, fsck clean after recovery; strict (and
-    every crash, which keeps the page cache) loses no acknowledged put; relaxed power cuts lose nothing older
-    than the sync interval; damage takes only the damaged records; a refused init leaves the disk usable."""
+    every crash, which keeps the page cache) loses no acknowledged put; relaxed power cuts lose nothing acknowledged
+    before the last completed sync pass began (and nothing after a clean close); damage takes only the damaged records; a refused init leaves the disk usable."""
     if t.wrong_served or not t.fsck_clean:
         return False
     if t.kind == "powercut-relaxed":
@@ -542,8 +569,9 @@ def summarize(trials: list[Trial]) -> list[dict]:
              "wrong_served": sum(t.wrong_served for t in ts), "intact_lost": sum(t.intact_lost for t in ts),
              "fsck_clean": sum(t.fsck_clean for t in ts), "passed": sum(passed(t) for t in ts),
              "acked_records": sum(t.acked for t in ts),
-             "relaxed_lost_beyond_interval": sum(t.bounded_lost for t in ts),
-             "oldest_lost_s": max(t.oldest_lost_s for t in ts)} for k, ts in kinds.items()]
+             "relaxed_lost_before_last_sync": sum(t.bounded_lost for t in ts),
+             "oldest_lost_s": max(t.oldest_lost_s for t in ts), "horizon_max_s": max(t.horizon_s for t in ts),
+             "sync_pass_max_s": max(t.sync_pass_max_s for t in ts)} for k, ts in kinds.items()]
 
 
 def run(kills: int, power_cuts: int, corruption_repeats: int, seed: int = 0, root: Path | None = None,
@@ -555,8 +583,8 @@ def run(kills: int, power_cuts: int, corruption_repeats: int, seed: int = 0, roo
     t0 = time.time()
     try:
         for durability in ("strict", "relaxed"):
-            progress(f"kill -9 x {kills // 2} ({durability})")
-            trials += kill_trials(root, durability, kills // 2, seed + (durability == "relaxed"))
+            progress(f"kill -9 x {kills} ({durability})")
+            trials += kill_trials(root, durability, kills, seed + (durability == "relaxed"))
         progress(f"corruption matrix x {corruption_repeats}")
         trials += corruption_trials(root, corruption_repeats, seed)
         progress("two pools on one device")
@@ -566,9 +594,11 @@ def run(kills: int, power_cuts: int, corruption_repeats: int, seed: int = 0, roo
             skipped.append(f"power cuts, ENOSPC and EIO skipped: {why}")
         else:
             for durability in ("strict", "relaxed"):
-                progress(f"power cuts x {power_cuts // 2} ({durability})")
-                trials += power_cut_trials(root, durability, power_cuts // 2, seed + 7)
+                progress(f"power cuts x {power_cuts} ({durability})")
+                trials += power_cut_trials(root, durability, power_cuts, seed + 7)
+            progress(f"power cuts x {max(2, power_cuts // 5)} (strict, evicting) and after a clean close (relaxed)")
             trials += power_cut_trials(root, "strict", max(2, power_cuts // 5), seed + 9, evicting=True)
+            trials += power_cut_trials(root, "relaxed", max(2, power_cuts // 5), seed + 11, after_close=True)
             progress("ENOSPC and EIO")
             trials += enospc_trials(root, max(1, corruption_repeats))
             trials += eio_trials(root, max(1, corruption_repeats), seed)
@@ -587,18 +617,25 @@ def _has_dm() -> bool:
     return subprocess.run(["dmsetup", "version"], capture_output=True).returncode == 0
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return int(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kills", type=int, default=500)
-    ap.add_argument("--power-cuts", type=int, default=50)
-    ap.add_argument("--corruption-repeats", type=int, default=3)
+    ap.add_argument("--kills", type=_count, default=500, help="kill -9 trials per durability mode (strict, relaxed)")
+    ap.add_argument("--power-cuts", type=_count, default=50, help="power cuts per durability mode (strict, relaxed)")
+    ap.add_argument("--corruption-repeats", type=_count, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--check", action="store_true", help="exit 1 when any trial fails its acceptance")
     args = ap.parse_args()
     result = run(args.kills, args.power_cuts, args.corruption_repeats, args.seed,
                  progress=lambda s: print(f"... {s}", flush=True))
-    cols = ("kind", "trials", "acked_puts_lost", "wrong_served", "intact_lost", "fsck_clean", "passed")
+    cols = ("kind", "trials", "acked_puts_lost", "wrong_served", "intact_lost", "fsck_clean", "passed",
+            "relaxed_lost_before_last_sync", "oldest_lost_s", "horizon_max_s", "sync_pass_max_s")
     print(" | ".join(cols))
     for row in result["summary"]:
         print(" | ".join(str(row[c]) for c in cols))

@@ -17,8 +17,9 @@ BATCH = len(batch_keys(0))
 
 
 def write_forever(cfg: dict, ack_path: str, first_batch: int, batches: int, close: bool = True) -> None:
-    """Ack line ``<batch> <unix time>`` once a batch is fully stored; ``err <batch> <error>`` when a put raised or
-    stored fewer records than it was given (then the batch is not acknowledged)."""
+    """Ack line ``<batch> <unix time> <synced_at> <longest sync pass s>`` once a batch is fully stored (the last
+    two: when the pool's last completed sync pass began, and its longest pass so far, as the writer saw them then);
+    ``err <batch> <error>`` when a put raised or stored fewer records than it was given (not acknowledged)."""
     ack = os.open(ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         pool = KVPool.open(cfg)
@@ -32,7 +33,8 @@ def write_forever(cfg: dict, ack_path: str, first_batch: int, batches: int, clos
             os.write(ack, f"err {b} {type(err).__name__}: {err}".replace("\n", " ").encode() + b"\n")
             continue
         if stored == BATCH:
-            os.write(ack, f"{b} {time.time():.6f}\n".encode())
+            os.write(ack, f"{b} {time.time():.6f} {pool.synced_at:.6f} "
+                           f"{pool.stats()['sync_pass_max_s']:.6f}\n".encode())
         else:
             os.write(ack, f"err {b} stored {stored} of {BATCH}\n".encode())
     if close:
@@ -67,9 +69,21 @@ def parse_acks(path) -> tuple[dict[int, float], bool, list[str]]:
             closed = True
         elif parts[0] in ("err", "openerr"):
             errors.append(line)
-        elif len(parts) == 2:
+        elif len(parts) == 4:
             acked[int(parts[0])] = float(parts[1])
     return acked, closed, errors
+
+
+def last_sync(path) -> tuple[float, float]:
+    """The writer's ``pool.synced_at`` and longest sync pass on its last acknowledgement: every batch acknowledged
+    before that moment was on stable storage by then ((0.0, 0.0) without acknowledgements)."""
+    synced, longest = 0.0, 0.0
+    if os.path.exists(path):
+        for line in open(path).read().splitlines():
+            parts = line.split()
+            if len(parts) == 4 and parts[0].isdigit():
+                synced, longest = max(synced, float(parts[2])), max(longest, float(parts[3]))
+    return synced, longest
 
 
 def expected(key) -> torch.Tensor:
