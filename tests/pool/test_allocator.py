@@ -75,3 +75,26 @@ def test_best_fit_reuses_a_hole_of_the_exact_size():
     a.alloc(ALIGN)
     a.free(y)
     assert a.alloc(3 * ALIGN) == y and a.alloc(1) == 5 * ALIGN
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=40), order=st.randoms(use_true_random=False),
+       want=st.integers(1, 48))
+def test_frees_needed_is_the_shortest_prefix_of_frees_after_which_an_extent_fits(sizes, order, want):
+    a = ExtentAllocator(48 * ALIGN, ALIGN)
+    starts = [s for n in sizes if (s := a.alloc(n * ALIGN)) is not None]
+    order.shuffle(starts)
+    for s in starts[: len(starts) // 3]:          # some holes to start with
+        a.free(s)
+    starts = starts[len(starts) // 3:]
+    before = (dict(a.used), a.free_extents())
+    n = a.frees_needed(iter(starts), want * ALIGN)
+    assert (dict(a.used), a.free_extents()) == before, "frees_needed changes nothing"
+    fits = [a.largest_free >= want * ALIGN]       # fits[i]: after freeing the first i starts
+    for s in starts:
+        a.free(s)
+        fits.append(a.largest_free >= want * ALIGN)
+    if n is None:
+        assert not any(fits)
+    else:
+        assert fits[n] and not any(fits[:n])

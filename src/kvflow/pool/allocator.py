@@ -11,6 +11,7 @@ The pool rebuilds an allocator from its index on open (``from_used``), so index 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from typing import Iterable
 
 
 def round_up(n: int, align: int) -> int:
@@ -87,6 +88,42 @@ class ExtentAllocator:
             self._remove_free(start + size, right_len)
             size += right_len
         self._add_free(start, size)
+
+    def frees_needed(self, starts: Iterable[int], nbytes: int) -> int | None:
+        """How many of the used extents ``starts`` (in the order they would be freed) must be freed before a free
+        extent of ``nbytes`` exists: 0 when one exists now, None when freeing all of them would not make one.
+        Changes nothing; reads ``starts`` only as far as it needs."""
+        size = round_up(max(nbytes, 1), self.align)
+        if self.largest_free >= size:
+            return 0
+        at: dict[int, int] = {}       # the simulation's free extents that differ from the real ones: start -> end
+        ends: dict[int, int] = {}     # end -> start of those
+        gone: set[int] = set()        # starts of real free extents merged into a simulated one
+
+        def take_left(pos: int) -> int:      # start of the free extent ending at pos (merged away), else pos
+            if (s := ends.pop(pos, None)) is not None:
+                del at[s]
+                return s
+            if (s := self._free_end.get(pos)) is not None and s not in gone:
+                gone.add(s)
+                return s
+            return pos
+
+        def take_right(pos: int) -> int:     # end of the free extent starting at pos (merged away), else pos
+            if (e := at.pop(pos, None)) is not None:
+                del ends[e]
+                return e
+            if (n := self._free_at.get(pos)) is not None and pos not in gone:
+                gone.add(pos)
+                return pos + n
+            return pos
+
+        for count, start in enumerate(starts, 1):
+            lo, hi = take_left(start), take_right(start + self.used[start])
+            if hi - lo >= size:
+                return count
+            at[lo], ends[hi] = hi, lo
+        return None
 
     def free_extents(self) -> list[tuple[int, int]]:
         return sorted(self._free_at.items())

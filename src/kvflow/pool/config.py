@@ -96,8 +96,9 @@ class PoolConfig:
     placement: str = "bandwidth"     # bandwidth (p_i ∝ b_i) | equal (round robin) | overflow (one device at a time)
     checkpoint_interval_s: float = 5.0   # relaxed: sync devices + log this often; both: compact the log when large
     wal_compact_bytes: int = 4 << 20     # rewrite the checkpoint once the log exceeds this and the checkpoint
-    high_watermark: float = 0.95     # a device above this fraction of capacity evicts LRU records ...
-    low_watermark: float = 0.85      # ... down to this fraction
+    high_watermark: float = 0.95     # a device above this fraction of capacity takes records only when no device
+    #                                  below it has room; a put evicts only when its record fits nowhere
+    low_watermark: float = 0.85      # no effect (accepted so older configs load): a put evicts only what it needs
     probe_bytes: int = 64 << 20      # bytes moved per device by the bandwidth probe at creation / `kvflow pool probe`
     probe_seconds: float = 0.0       # ... and read again until this long was spent reading (bursty caps, e.g. 1.0)
     remote_placement: str = "stripe"  # stripe: a remote device is striped by p_i like any | copy: local first + a copy
@@ -117,8 +118,8 @@ class PoolConfig:
                                             f"got {self.storage_dtype!r}")
         check(self.placement in PLACEMENTS, f"pool.placement: must be one of {', '.join(PLACEMENTS)}, "
                                             f"got {self.placement!r}")
-        check(0 < self.low_watermark < self.high_watermark <= 1,
-              "pool.low_watermark/high_watermark: need 0 < low < high <= 1")
+        check(0 < self.high_watermark <= 1, "pool.high_watermark: must be in (0, 1]")
+        check(0 < self.low_watermark <= 1, "pool.low_watermark: must be in (0, 1] (it has no effect)")
         check(0 < self.checkpoint_interval_s <= 86400, "pool.checkpoint_interval_s: must be positive and at most a day "
                                                        f"(86400), got {self.checkpoint_interval_s!r}")
         check(self.probe_bytes >= 1 << 20, "pool.probe_bytes: must be at least 1M")

@@ -1,5 +1,6 @@
-"""Removing rows: LRU eviction of a full device, dropping one row, releasing an extent once no reader pins it, and
-the order that makes removals crash-safe — log the DELs first, only then let devices destroy the freed records.
+"""Removing rows: LRU eviction of a full device (only the records one new record needs), dropping one row,
+releasing an extent once no reader pins it, and the order that makes removals crash-safe — log the DELs first,
+only then let devices destroy the freed records.
 
     drop(digest, entry) ──> table row gone, DEL queued ──> release: pins == 0 ? free the extent : on the last unpin
     log_and_discard(DELs) ──> journal.append(DELs) ──> device.discard(offset) for every freed extent
@@ -11,40 +12,38 @@ from __future__ import annotations
 
 import logging
 
+from kvflow.pool.allocator import round_up
 from kvflow.pool.index import Entry
 from kvflow.pool.journal import DEL, Op
 from kvflow.pool.state import PoolState
 
 log = logging.getLogger("kvflow.pool")
 
-_VICTIMS_PER_PASS = 64
 
-
-def evict(state: PoolState, dev: int, need: int, dels: list[Op]) -> None:
-    """Drop least recently used, unpinned records of device ``dev`` until ``need`` bytes fit and the device is at
-    its low watermark (or nothing more can go)."""
+def evict(state: PoolState, dev: int, nbytes: int, dels: list[Op]) -> bool:
+    """Make room for one record of ``nbytes`` on device ``dev`` by dropping its least recently used, unpinned
+    records — the fewest, in LRU order, after which a free extent of that size exists, and none at all when even
+    dropping every unpinned record would not make one. True when the record fits now."""
     slot = state.slots[dev]
     a = slot.alloc
-    low = state.cfg.low_watermark * a.capacity
+    if round_up(nbytes, a.align) > a.capacity:
+        return False
+    candidates: list[tuple[bytes, Entry]] = []
 
-    def satisfied() -> bool:
-        return a.largest_free >= need and a.used_bytes + need <= low
-
-    while not satisfied():
-        victims = []
+    def starts():
         for digest, e in state.table.oldest(dev):
             if e.pins == 0:
-                victims.append((digest, e))
-                if len(victims) == _VICTIMS_PER_PASS:
-                    break
-        if not victims:
-            return
-        for digest, e in victims:
-            drop(state, digest, e, dels)
-            state.counters["evictions"] += 1
-            slot.counters["evictions"] += 1
-            if satisfied():
-                return
+                candidates.append((digest, e))
+                yield e.offset
+
+    n = a.frees_needed(starts(), nbytes)
+    if n is None:
+        return False
+    for digest, e in candidates[:n]:
+        drop(state, digest, e, dels)
+        state.counters["evictions"] += 1
+        slot.counters["evictions"] += 1
+    return True
 
 
 def drop(state: PoolState, digest: bytes, entry: Entry, dels: list[Op]) -> None:

@@ -566,22 +566,19 @@ class KVPool:
             st.counters["misses"] += len(out) - hits
 
     def _place(self, length: int, dels: list, lane: int = 0) -> tuple[int, int] | None:
-        """Lock held. Device and offset for a new record: the striper's choice if it is below its high watermark,
-        else the next device with room (capacity-aware spill); only when all are full, evict on the first choice."""
+        """Lock held. Device and offset for a new record, in the striper's order: the first device below its high
+        watermark with room, else the first with room at all (capacity-aware spill), and only when the record fits
+        nowhere, the first device where evicting least recently used records makes room — just those it needs."""
         st = self._state
         order = self._placement.order(length, lane)
-        for i in order:
-            a = st.slots[i].alloc
-            need = round_up(length, a.align)
-            if a.used_bytes + need <= self.cfg.high_watermark * a.capacity and (off := a.alloc(length)) is not None:
+        below = [i for i in order if st.slots[i].alloc.used_bytes + round_up(length, st.slots[i].alloc.align)
+                 <= self.cfg.high_watermark * st.slots[i].alloc.capacity]
+        for i in below + order:
+            if (off := st.slots[i].alloc.alloc(length)) is not None:
                 self._placement.charge(i, length, lane)
                 return i, off
         for i in order:
-            need = round_up(length, st.slots[i].alloc.align)
-            if need > st.slots[i].alloc.capacity:
-                continue
-            eviction.evict(st, i, need, dels)
-            if (off := st.slots[i].alloc.alloc(length)) is not None:
+            if eviction.evict(st, i, length, dels) and (off := st.slots[i].alloc.alloc(length)) is not None:
                 self._placement.charge(i, length, lane)
                 return i, off
         return None
