@@ -43,9 +43,9 @@ def test_models_json_has_kv_bytes_per_dtype():
     (["profile", "/no/such/dir"], "no such checkpoint"),
     (["profile", "tiny@layers=99"], "layers"),
     (["profile", "tiny", "--bogus"], "--bogus"),
-    (["demo", "--model", "nosuch"], "unknown model"),
-    (["demo", "--rho", "-1"], "--rho"),
-    (["demo", "--dtype", "int3"], "dtype"),
+    (["demo", "restore", "--model", "nosuch"], "unknown model"),
+    (["demo", "restore", "--rho", "-1"], "--rho"),
+    (["demo", "restore", "--dtype", "int3"], "dtype"),
     (["profile", "tiny", "--dtype", "float8"], "dtype"),
     (["bench", "restore", "--rho", "a,b"], "--rho"),
     (["nosuchcommand"], "nosuchcommand"),
@@ -66,7 +66,7 @@ def test_profile_show_prints_the_fit_and_held_out_error(tmp_path):
 
 
 def test_demo_json_restores_exactly_with_every_strategy(tmp_path):
-    proc = kvflow("demo", "--model", "tiny", "--context", "1024", "--json", "--out", str(tmp_path / "demo"),
+    proc = kvflow("demo", "restore", "--model", "tiny", "--context", "1024", "--json", "--out", str(tmp_path / "demo"),
                   env={"KVFLOW_HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)

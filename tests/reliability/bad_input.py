@@ -182,7 +182,7 @@ def model_cases(draw) -> Case:
     model = draw(st.sampled_from(MODELS))
     profile = None
     if kind == "demo":
-        argv = ["demo", "--model", model]
+        argv = ["demo", "restore", "--model", model]
         for opt in ("--context", "--query", "--rho"):
             if draw(st.integers(0, 2)) == 0:
                 argv += [opt, _num(draw) if draw(st.booleans()) else

@@ -1,4 +1,5 @@
-"""`kvflow demo` and `kvflow bench restore`."""
+"""`kvflow demo` (the main job: the serving engine under memory pressure), `kvflow demo restore` (one context restored
+with every strategy), `kvflow bench restore` and `kvflow bench second-turn`."""
 
 from __future__ import annotations
 
@@ -71,8 +72,86 @@ def strategy_table(title: str, rows: dict[str, dict]) -> Table:
     return table
 
 
-@app.command("demo")
-def demo(
+demo_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
+                       help="The main job (what `make demo` runs); `kvflow demo restore`: the restoration demo.")
+app.add_typer(demo_app, name="demo")
+
+
+@demo_app.callback()
+def demo(ctx: typer.Context,
+         model: Optional[str] = typer.Option(None, help="preset or checkpoint directory (default: tiny)"),
+         users: int = typer.Option(8, help="chat users (Poisson arrivals)"),
+         rounds: int = typer.Option(4, help="turns per user"),
+         rate: float = typer.Option(2.0, help="users arriving per second"),
+         system_tokens: int = typer.Option(256), user_tokens: int = typer.Option(64),
+         answer_tokens: int = typer.Option(16), think: float = typer.Option(0.5, help="mean think time s"),
+         kv_share: float = typer.Option(0.25, help="resident KV budget as a share of the working set"),
+         repeats: int = typer.Option(1, help="rounds over recompute and cacheflow, alternated (medians)"),
+         check: bool = typer.Option(True, help="replay user 0's conversation and compare its tokens with generate"),
+         seed: int = typer.Option(0),
+         home: Path = typer.Option(Path(".kvflow"), help="where the demo's pools live (removed after each run)"),
+         out: Optional[Path] = typer.Option(None, help="output folder (default runs/demo-TIME)"),
+         as_json: bool = typer.Option(False, "--json", help="print the results as JSON")) -> None:
+    """The engine on its embedded defaults: a multi-round chat with recompute and cacheflow under memory pressure."""
+    if ctx.invoked_subcommand is not None:
+        return
+    import time
+
+    from kvflow.bench.common import out_dir, print_table, save_figure, write_json
+    from kvflow.bench.demo import STRATEGIES, elapsed, run_demo
+    from kvflow.bench.serve_bench import ChatWorkload, draw_cdf
+    from kvflow.cli.model_cmds import progress_bar
+    from kvflow.model import load_model
+    from kvflow.server.build import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL
+
+    w = ChatWorkload("chat", users, rounds, rate, system_tokens, user_tokens, answer_tokens, think, seed=seed)
+    w.validate()
+    if not 0 < kv_share <= 4:
+        raise KVFlowError("--kv-share must be in (0, 4]")
+    if repeats < 1:
+        raise KVFlowError("--repeats must be >= 1")
+    if home.exists() and not home.is_dir():
+        raise KVFlowError(f"--home {home} is not a folder")
+    model = model or DEFAULT_MODEL
+    t0 = time.perf_counter()
+    status(f"building {model}")
+    runner = load_model(model)
+    cost = ensure_cost(runner, 8192)
+    folder = out_dir("demo", out)
+    with progress_bar("chat requests") as bar:
+        task = bar.add_task("chat requests (recompute, then cacheflow)", total=None)
+        results, cdf = run_demo(runner, cost, w, home=home, chunk_tokens=DEFAULT_CHUNK_TOKENS, kv_share=kv_share,
+                                repeats=repeats, check=check,
+                                tick=lambda done, total: bar.update(task, completed=done, total=total))
+    results["wall_s"] = time.perf_counter() - t0
+    save_figure(folder / "ttft_cdf.png", draw_cdf(cdf, f"{model} chat, KV {kv_share:g}x working set"))
+    write_json(folder / "demo.json", results)
+    if as_json:
+        print(json.dumps(results, indent=2, default=str))
+        return
+    print_table(f"{model}: multi-round chat, {users} users x {rounds} turns, resident KV for "
+                f"{results['kv_budget_tokens']:,} of {results['working_set_tokens']:,} working-set tokens, pool on "
+                f"disk under {home}/", [results["runs"][s]["row"] for s in STRATEGIES],
+                ["config", "req", "err", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_mean_ms", "resident",
+                 "pool", "miss"], console=console)
+    rc, cf = (results["runs"][s]["summary"] for s in STRATEGIES)
+    console.print(f"cacheflow vs recompute (same run): P50 TTFT {cf['ttft_p50_s'] / rc['ttft_p50_s']:.2f}x, P99 "
+                  f"{cf['ttft_p99_s'] / rc['ttft_p99_s']:.2f}x, mean {cf['ttft_mean_s'] / rc['ttft_mean_s']:.2f}x. "
+                  f"resident / pool / miss: shares of prompt tokens from resident blocks, restored from the pool, "
+                  f"computed.")
+    exact = results["exact"]
+    if exact is not None:
+        verdict = "[green]equal[/]" if exact["all_equal"] else "[red]NOT equal[/]"
+        console.print(f"exactness: user 0's {len(exact['turns'])} turns replayed through the cacheflow server "
+                      f"({exact['cached_tokens']:,} of {exact['prompt_tokens']:,} prompt tokens cached): tokens "
+                      f"{verdict} to transformers' greedy generate")
+    console.print(f"done in {elapsed(t0)}; TTFT CDF {folder / 'ttft_cdf.png'}, JSON {folder / 'demo.json'}")
+    if exact is not None and not exact["all_equal"]:
+        raise typer.Exit(1)
+
+
+@demo_app.command("restore")
+def demo_restore(
     model: str = typer.Option("qwen2.5-0.5b@layers=2", help="preset or checkpoint directory"),
     context_len: int = typer.Option(4096, "--context", min=256, help="context tokens to store and restore"),
     query_len: int = typer.Option(32, "--query", min=1, help="new tokens after the context"),
@@ -101,7 +180,7 @@ def demo(
         rows = measure(bench, "memory", context_len, STRATEGIES, 1, status, "demo")
     finally:
         bench.close()
-    folder = out_dir("demo", out)
+    folder = out_dir("demo-restore", out)
     png = folder / "timeline.png"
     chosen = rows["cacheflow"]
     plot_timeline(chosen["_result"].timeline, png, f"cacheflow restoring {context_len} tokens of {model} at "
@@ -291,3 +370,71 @@ def _print_batches(batches: list[dict]) -> None:
         console.print(f"measured mean bound {res['measured_mean_bound_s']:.3f} s (no schedule's mean TTFT is lower): "
                       f"SJF mean = {res['sjf_mean_vs_mean_bound']:.2f}x it, batch-aware mean = "
                       f"{res['batch_mean_vs_mean_bound']:.2f}x it")
+
+
+@bench_app.command("second-turn")
+def bench_second_turn(
+    model: Optional[str] = typer.Option(None, help="preset or checkpoint directory (default: the serve default)"),
+    history: int = typer.Option(4096, min=64, help="turn 1's system prompt (tokens): the history evicted"),
+    user_tokens: int = typer.Option(64, min=1, help="mean user message (tokens)"),
+    answer_tokens: int = typer.Option(16, min=1),
+    rho: float = typer.Option(1.0, help="link = rho x the recompute rate measured at the start of the run"),
+    repeats: int = typer.Option(3, min=1, help="interleaved repeats (median reported)"),
+    chunk_tokens: Optional[int] = typer.Option(None, help="pool chunk (default: the serve default, 64)"),
+    pool_dir: Optional[Path] = typer.Option(None, help="pool on disk under this folder (default: in memory)"),
+    seed: int = typer.Option(0),
+    out: Optional[Path] = typer.Option(None, help="output folder (default runs/second-turn-TIME)"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Second turn of a chat whose long history was evicted: recompute vs cacheflow TTFT over a link at rho."""
+    from kvflow.bench.common import out_dir, print_table, save_figure, write_json
+    from kvflow.bench.second_turn import run_second_turn
+    from kvflow.model import load_model
+    from kvflow.server.build import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL
+
+    if not 0 < rho <= 1000:
+        raise KVFlowError("--rho must be in (0, 1000]")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise KVFlowError("--chunk-tokens must be >= 1")
+    model = model or DEFAULT_MODEL
+    status(f"building {model}")
+    runner = load_model(model)
+    runner.check_context_len(history + 4 * user_tokens + answer_tokens + 64)
+    cost = ensure_cost(runner, max(8192, history * 2))
+    folder = out_dir("second-turn", out)
+    res = run_second_turn(runner, cost, history=history, user_tokens=user_tokens, answer_tokens=answer_tokens,
+                          rho=rho, repeats=repeats, chunk_tokens=chunk_tokens or DEFAULT_CHUNK_TOKENS,
+                          pool_dir=str(pool_dir) if pool_dir else None, seed=seed, progress=status)
+    write_json(folder / "second_turn.json", res)
+    save_figure(folder / "second_turn.png", _draw_turns(res))
+    if as_json:
+        print(json.dumps(res, indent=2))
+        return
+    rows = [{"strategy": s, "TTFT ms (median)": r["ttft_s"] * 1e3,
+             "each repeat ms": ", ".join(f"{t * 1e3:.0f}" for t in r["ttft_runs"]),
+             "from pool": r["pool_hit_tokens"], "resident": r["resident_hit_tokens"], "exact": r["exact"]}
+            for s, r in res["rows"].items()]
+    print_table(f"{model}: second turn ({res['turn2_prompt_tokens']:,} prompt tokens) after "
+                f"{res['evicted_history_tokens']:,} tokens of history were evicted; pool at rho={rho:g} "
+                f"(recompute {res['recompute_rate_bytes_per_s'] / 2**20:.1f} MiB/s of KV, link "
+                f"{res['link_bytes_per_s'] / 2**20:.1f} MiB/s)", rows, console=console)
+    if "cacheflow_vs_recompute" in res:
+        each = ", ".join(f"{x:.2f}" for x in res["cacheflow_vs_recompute_each_repeat"])
+        console.print(f"cacheflow / recompute TTFT: [bold]{res['cacheflow_vs_recompute']:.2f}x[/] (medians; each "
+                      f"repeat {each})")
+    console.print(f"JSON + PNG in {folder}")
+
+
+def _draw_turns(res: dict):
+    def draw(axes):
+        ax = axes[0]
+        names = list(res["rows"])
+        for i, name in enumerate(names):
+            runs = res["rows"][name]["ttft_runs"]
+            ax.scatter([i] * len(runs), [t * 1e3 for t in runs], alpha=0.6)
+            ax.bar(i, res["rows"][name]["ttft_s"] * 1e3, alpha=0.3)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(f"second turn, {res['evicted_history_tokens']:,} evicted tokens, rho={res['rho']:g}")
+        ax.grid(alpha=0.3, axis="y")
+    return draw

@@ -4,6 +4,10 @@ Config file (YAML/TOML), every section optional::
 
     engine:  {block_size: 16, kv_budget: 64M, max_num_batched_tokens: 512, strategy: cacheflow, ...}
     pool:    {devices: [...], chunk_tokens: 256, ...}      # present: the pool is the tier below resident blocks
+
+No config file at all (``kvflow serve`` with no options, and ``make demo``): the embedded defaults below — the
+``tiny`` preset, EngineConfig's defaults, and a pool on this machine's disk under ``./.kvflow/`` (one extent file
+and its index, kept across restarts).
 """
 
 from __future__ import annotations
@@ -17,28 +21,49 @@ from kvflow.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger("kvflow.server")
 
+DEFAULT_MODEL = "tiny"           # a small random-weight preset: serves text through the byte-level tokenizer
+DEFAULT_HOME = ".kvflow"         # in the current directory
+DEFAULT_CHUNK_TOKENS = 64        # pool chunk: a chat history is reused in 64-token steps
 
-def build_engine(model: str, config: str | None = None, *, seed: int = 0, cost=None):
-    """(engine, tokenizer) for ``model`` with the ``engine:`` (and optional ``pool:``) sections of ``config``."""
+
+def default_config(home: str | os.PathLike = DEFAULT_HOME, capacity: str = "1G") -> dict:
+    """The config ``kvflow serve`` runs on without ``--config``: the ``engine:`` defaults and a pool of one extent
+    file ``HOME/pool/kv.img`` (+ ``HOME/pool/index``), O_DIRECT where the file system allows it."""
+    from pathlib import Path
+
+    from kvflow.bench.common import odirect_supported
+
+    root = Path(home).resolve() / "pool"
+    root.mkdir(parents=True, exist_ok=True)
+    return {"engine": {}, "pool": {"chunk_tokens": DEFAULT_CHUNK_TOKENS, "durability": "relaxed",
+                                   "index_dir": str(root / "index"),
+                                   "devices": [{"type": "extent", "path": str(root / "kv.img"), "capacity": capacity,
+                                                "direct": odirect_supported(root)}]}}
+
+
+def build_engine(model: str, config: str | dict | None = None, *, seed: int = 0, cost=None):
+    """(engine, tokenizer) for ``model`` with the ``engine:`` (and optional ``pool:``) sections of ``config`` (a file,
+    or a mapping such as ``default_config()``)."""
     from kvflow import KVPool, Restorer, load_model
 
-    data = read_file(config) if config else {}
+    data = config if isinstance(config, dict) else read_file(config) if config else {}
     engine_cfg = EngineConfig.load(data)
     runner = load_model(model, seed=seed)
     tokenizer = load_tokenizer(model, runner.config.vocab_size)
     restorer = None
     if "pool" in data:
-        restorer = Restorer(runner, KVPool.open(config), cost=cost)
+        restorer = Restorer(runner, KVPool.open(data if isinstance(config, dict) else config), cost=cost)
     return LLMEngine(runner, engine_cfg, restorer=restorer, tokenizer=tokenizer), tokenizer
 
 
-def serve(model: str, config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+def serve(model: str = DEFAULT_MODEL, config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, seed: int = 0, log_level: str = "info") -> None:
+    """Serve until SIGINT / SIGTERM; without ``config`` on the embedded defaults (pool under ./.kvflow/)."""
     import uvicorn
 
     from kvflow.server.app import build_app
 
-    engine, tokenizer = build_engine(model, config, seed=seed)
+    engine, tokenizer = build_engine(model, config or default_config(), seed=seed)
     api_key = api_key or os.environ.get("KVFLOW_API_KEY") or None
     app = build_app(engine, model, tokenizer, api_key=api_key)
     log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens, pool %s)", model, host, port,

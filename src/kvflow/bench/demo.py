@@ -1,0 +1,137 @@
+"""The main job (``make demo`` = ``kvflow demo``): the serving engine on its embedded defaults, under memory pressure.
+
+    model     the serve default (server/build.py: ``tiny``, byte-level text), EngineConfig's defaults (blocks of 16
+              tokens, 512 tokens a step, chunked prefill, prefix caching)
+    pool      on this machine's disk under ./.kvflow/demo/ (a fresh extent file per configuration, chunks of 64
+              tokens — the serve default), unthrottled; removed after each configuration's run
+    budget    resident KV for a quarter of the working set (at least the longest prompt), so most users' histories
+              are evicted before their next turn and come back from the pool
+    workload  the multi-round chat of bench/serve_bench.py (Poisson arrivals, think time, the whole history resent
+              every turn), driven through the official ``openai`` client against an in-process server
+    configs   ``recompute`` and ``cacheflow``: the strategy that restores pool hits; alternated over ``repeats``
+    check     after the last cacheflow run, user 0's conversation is replayed through that server (its prefixes are
+              resident or in the pool by then) and every answer's tokens are compared with transformers' greedy
+              ``generate`` on the same prompt
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from kvflow.bench.serve_bench import (ChatWorkload, LocalServer, kvflow_engine, longest_history_tokens,
+                                      median_summary, records_json, result_row, run_chat, sessions, summarize,
+                                      working_set_tokens)
+from kvflow.engine import EngineConfig
+
+STRATEGIES = ("recompute", "cacheflow")
+Tick = Callable[[int, int], None]          # (finished requests, total requests)
+
+
+def budget_tokens(w: ChatWorkload, kv_share: float, block_size: int) -> int:
+    """Resident KV tokens: ``kv_share`` of the working set, but never less than the longest single request."""
+    return max(int(working_set_tokens(w) * kv_share), longest_history_tokens(w) + w.answer_tokens + block_size)
+
+
+def run_demo(runner, cost, w: ChatWorkload, *, home: str | Path, chunk_tokens: int, strategies=STRATEGIES,
+             kv_share: float = 0.25, repeats: int = 1, check: bool = True, tick: Tick = lambda done, total: None,
+             ) -> tuple[dict, dict]:
+    """Run the chat workload once per strategy per repeat (alternated); returns (results for JSON, TTFT records per
+    strategy for the CDF)."""
+    defaults = EngineConfig()
+    block, step = defaults.block_size, defaults.max_num_batched_tokens
+    ws = working_set_tokens(w)
+    kv_tokens = budget_tokens(w, kv_share, block)
+    kv = runner.kv_bytes_per_token()
+    pool_bytes = ((4 * ws * kv) >> 20) + 64 << 20           # whole MiB: an extent file wants an aligned size
+    pool_dir = Path(home) / "demo"
+    total = repeats * len(strategies) * w.users * w.rounds + (w.rounds if check else 0)
+    done = 0
+    rounds = {s: [] for s in strategies}
+    exact = None
+    for rep in range(repeats):
+        order = list(strategies) if rep % 2 == 0 else list(reversed(strategies))   # neither always runs first
+        for name in order:
+            engine = kvflow_engine(runner, name, kv_tokens * kv, block, pool_bytes, chunk_tokens, step, cost,
+                                   str(pool_dir))
+            base = done
+            try:
+                with LocalServer(engine, runner.name) as server:
+                    records, wall = asyncio.run(_drive(server, w, lambda n: tick(base + n, total)))
+                    done = base + w.users * w.rounds
+                    if check and name == "cacheflow" and rep == repeats - 1:
+                        exact = check_conversation(server.url, runner, engine.tokenizer, w,
+                                                   lambda n: tick(done + n, total))
+                        done += w.rounds
+                    rounds[name].append((records, summarize(records, wall), server.hit_split()))
+            finally:
+                engine.pool.pool.close()
+                shutil.rmtree(pool_dir / f"serve-{name}", ignore_errors=True)
+            tick(done, total)
+    results = {"model": runner.name, "workload": {k: getattr(w, k) for k in w.__slots__},
+               "working_set_tokens": ws, "kv_budget_tokens": kv_tokens, "kv_share": kv_share,
+               "block_size": block, "max_num_batched_tokens": step, "chunk_tokens": chunk_tokens,
+               "pool": f"extent file under {pool_dir} (unthrottled, removed after each run)", "repeats": repeats,
+               "runs": {}, "exact": exact}
+    cdf = {}
+    for name, got in rounds.items():
+        summary = median_summary([r[1] for r in got])
+        results["runs"][name] = {"summary": summary, "hit_split": got[-1][2], "row": result_row(name, summary,
+                                                                                                 got[-1][2]),
+                                 "rounds": [{"summary": r[1], "hit_split": r[2]} for r in got],
+                                 "turns": records_json(got[-1][0])}
+        cdf[name] = [rec for r in got for rec in r[0]]
+    return results, cdf
+
+
+async def _drive(server: LocalServer, w: ChatWorkload, tick: Callable[[int], None]):
+    """run_chat, with the finished-request count reported every 0.2 s."""
+    stats = server.engine.stats
+    start = stats.finished
+    work = asyncio.ensure_future(run_chat(server.url, server.model, w))
+    while not work.done():
+        tick(stats.finished - start)
+        await asyncio.wait([work], timeout=0.2)
+    tick(stats.finished - start)
+    return work.result()
+
+
+def check_conversation(url: str, runner, tokenizer, w: ChatWorkload, tick: Callable[[int], None]) -> dict:
+    """User 0's turns through the server at ``url`` (non-streaming, greedy, eos ignored, as the workload sends them);
+    each answer's token ids against ``generate`` on the prompt the server saw."""
+    import torch
+    from openai import OpenAI
+
+    s = sessions(w)[0]
+    client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    history = [{"role": "system", "content": s.system}] if s.system is not None else []
+    turns = []
+    for k, (role, content, _) in enumerate(s.turns):
+        messages = history + [{"role": role, "content": content}]
+        reply = client.chat.completions.create(model=runner.name, messages=messages, max_tokens=w.answer_tokens,
+                                               temperature=0, extra_body={"ignore_eos": True})
+        choice = reply.choices[0]
+        got = list((choice.model_extra or {}).get("token_ids") or [])
+        prompt = tokenizer.chat(messages)
+        with torch.inference_mode():
+            out = runner.hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=w.answer_tokens,
+                                           min_new_tokens=w.answer_tokens, eos_token_id=None, pad_token_id=0)
+        want = out[0, len(prompt):].tolist()
+        details = reply.usage.prompt_tokens_details
+        turns.append({"round": k, "prompt_tokens": reply.usage.prompt_tokens,
+                      "cached_tokens": (details.cached_tokens or 0) if details else 0,
+                      "equal": got == want, "tokens": got, "generate": want})
+        history = messages + [{"role": "assistant", "content": choice.message.content or ""}]
+        tick(k + 1)
+    client.close()
+    return {"user": 0, "turns": turns, "all_equal": all(t["equal"] for t in turns),
+            "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
+            "cached_tokens": sum(t["cached_tokens"] for t in turns)}
+
+
+def elapsed(t0: float) -> str:
+    s = time.perf_counter() - t0
+    return f"{s / 60:.1f} min" if s >= 90 else f"{s:.0f} s"
