@@ -66,6 +66,16 @@ def test_a_file_that_is_not_a_kvflow_device_is_refused_and_left_as_it_was(tmp_pa
     assert (tmp_path / "disk.img").read_bytes() == content
 
 
+@pytest.mark.parametrize("content", [b"shared segment\n" * 1000, bytes(8192)])
+def test_a_memory_file_that_is_not_a_kvflow_device_is_refused_and_left_as_it_was(tmp_path, content):
+    (tmp_path / "shm").write_bytes(content)
+    cfg = {"index_dir": str(tmp_path / "idx"),
+           "devices": [{"type": "memory", "path": str(tmp_path / "shm"), "capacity": "1M", "bandwidth": 1 << 30}]}
+    with pytest.raises(ConfigError, match="not a kvflow device"):
+        KVPool.open(cfg)
+    assert (tmp_path / "shm").read_bytes() == content
+
+
 def test_a_second_pool_on_the_same_device_is_refused(tmp_path):
     keys = fill(cfg_for(tmp_path))
     with pytest.raises(KVFlowError, match="belongs to another kvflow pool"):

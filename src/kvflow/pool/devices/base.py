@@ -99,7 +99,8 @@ def parse_owner(data: bytes) -> Owner | None:
 
 
 def not_a_device(path: str) -> ConfigError:
-    return ConfigError(f"{path} exists and is not a kvflow device; remove it (or zero its first 4 KiB) to use it")
+    return ConfigError(f"{path} exists and is not a kvflow device; it is left untouched (remove it, or format it "
+                       f"with kvflow pool init --force)")
 
 
 class Device(ABC):

@@ -41,16 +41,16 @@ class MemoryDevice(Device):
             have = file_size(fd)
             head = os.pread(fd, SUPERBLOCK, 0) if have else b""
             self.fresh = parse_superblock(head) is None
-            if self.fresh and have and any(head):
-                raise not_a_device(path)
+            if self.fresh and have:
+                raise not_a_device(path)      # never overwrite a file kvflow did not make (even an all-zero one)
             if readonly:
                 self.capacity = min(self.capacity, max(have - SUPERBLOCK, 0))
                 return mmap.mmap(fd, SUPERBLOCK + self.capacity, access=mmap.ACCESS_READ)
             if not self.fresh and have < size:
                 self.intact_bytes = max(have - SUPERBLOCK, 0)
+            os.pwrite(fd, pack_superblock(self.capacity), 0)   # first: a crash from here leaves a kvflow device
             if have != size:
                 os.ftruncate(fd, size)
-            os.pwrite(fd, pack_superblock(self.capacity), 0)
             return mmap.mmap(fd, size)
         finally:
             os.close(fd)
