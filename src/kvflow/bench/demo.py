@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ def budget_tokens(w: ChatWorkload, kv_share: float, block_size: int) -> int:
 
 
 def run_demo(runner, cost, w: ChatWorkload, *, home: str | Path, chunk_tokens: int, strategies=STRATEGIES,
-             kv_share: float = 0.25, repeats: int = 1, check: bool = True, tick: Tick = lambda done, total: None,
+             kv_share: float = 0.25, repeats: int = 2, check: bool = True, tick: Tick = lambda done, total: None,
              ) -> tuple[dict, dict]:
     """Run the chat workload once per strategy per repeat (alternated); returns (results for JSON, TTFT records per
     strategy for the CDF)."""
@@ -52,6 +53,7 @@ def run_demo(runner, cost, w: ChatWorkload, *, home: str | Path, chunk_tokens: i
     done = 0
     rounds = {s: [] for s in strategies}
     exact = None
+    load_before = os.getloadavg()
     for rep in range(repeats):
         order = list(strategies) if rep % 2 == 0 else list(reversed(strategies))   # neither always runs first
         for name in order:
@@ -75,7 +77,7 @@ def run_demo(runner, cost, w: ChatWorkload, *, home: str | Path, chunk_tokens: i
                "working_set_tokens": ws, "kv_budget_tokens": kv_tokens, "kv_share": kv_share,
                "block_size": block, "max_num_batched_tokens": step, "chunk_tokens": chunk_tokens,
                "pool": f"extent file under {pool_dir} (unthrottled, removed after each run)", "repeats": repeats,
-               "runs": {}, "exact": exact}
+               "load_average": {"start": load_before, "end": os.getloadavg()}, "runs": {}, "exact": exact}
     cdf = {}
     for name, got in rounds.items():
         summary = median_summary([r[1] for r in got])

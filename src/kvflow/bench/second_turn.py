@@ -21,6 +21,7 @@ run against one reference).
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from typing import Callable
@@ -78,6 +79,7 @@ def run_second_turn(runner, cost, *, history: int = 4096, user_tokens: int = 64,
     filler = [(7 * i + seed) % 256 for i in range(capacity - 1)]       # takes every block (max_tokens = 1)
     pool_bytes = ((4 * capacity * kv) >> 20) + 64 << 20
 
+    load_before = os.getloadavg()
     progress("measuring the recompute rate (rho's denominator)")
     bench = Bench(runner, cost, chunk_tokens)
     bench.recompute_rate = recompute_rate(runner, chunk_tokens)
@@ -100,7 +102,9 @@ def run_second_turn(runner, cost, *, history: int = 4096, user_tokens: int = 64,
                 ttft, got2, resident, pool = _serve(engine, p2, params)
                 runs[name].append({"ttft_s": ttft, "resident_hit_tokens": resident, "pool_hit_tokens": pool,
                                    "link_bytes_per_s": link, "turn1_exact": got1 == answer1, "exact": got2 == want2,
-                                   "restores": engine.pool.counters["restores"]})
+                                   "restores": engine.pool.counters["restores"],
+                                   "loaded_tokens": engine.pool.loaded_tokens[name],
+                                   "recomputed_tokens": engine.pool.recomputed_tokens[name]})
             finally:
                 bench.set_link(name, None)
                 engine.close()
@@ -111,6 +115,8 @@ def run_second_turn(runner, cost, *, history: int = 4096, user_tokens: int = 64,
                       "ttft_runs": [r["ttft_s"] for r in got],
                       "pool_hit_tokens": min(r["pool_hit_tokens"] for r in got),
                       "resident_hit_tokens": max(r["resident_hit_tokens"] for r in got),
+                      "loaded_tokens": statistics.median(r["loaded_tokens"] for r in got),
+                      "recomputed_tokens": statistics.median(r["recomputed_tokens"] for r in got),
                       "exact": all(r["exact"] and r["turn1_exact"] for r in got)}
     result = {"model": runner.name, "history_tokens": history, "turn1_prompt_tokens": len(p1),
               "turn2_prompt_tokens": len(p2),
@@ -119,7 +125,7 @@ def run_second_turn(runner, cost, *, history: int = 4096, user_tokens: int = 64,
               "block_size": block, "max_num_batched_tokens": step, "kv_budget_tokens": capacity,
               "recompute_rate_bytes_per_s": bench.recompute_rate, "link_bytes_per_s": rho * bench.recompute_rate,
               "pool": "memory" if pool_dir is None else f"extent file under {pool_dir}",
-              "rows": rows, "runs": runs}
+              "load_average": {"start": load_before, "end": os.getloadavg()}, "rows": rows, "runs": runs}
     if "cacheflow" in rows and "recompute" in rows:
         per = [c["ttft_s"] / r["ttft_s"] for c, r in zip(runs["cacheflow"], runs["recompute"])]
         result["cacheflow_vs_recompute"] = rows["cacheflow"]["ttft_s"] / rows["recompute"]["ttft_s"]

@@ -86,7 +86,7 @@ def demo(ctx: typer.Context,
          system_tokens: int = typer.Option(256), user_tokens: int = typer.Option(64),
          answer_tokens: int = typer.Option(16), think: float = typer.Option(0.5, help="mean think time s"),
          kv_share: float = typer.Option(0.25, help="resident KV budget as a share of the working set"),
-         repeats: int = typer.Option(1, help="rounds over recompute and cacheflow, alternated (medians)"),
+         repeats: int = typer.Option(2, help="rounds over recompute and cacheflow, alternated ABBA... (medians)"),
          check: bool = typer.Option(True, help="replay user 0's conversation and compare its tokens with generate"),
          seed: int = typer.Option(0),
          home: Path = typer.Option(Path(".kvflow"), help="where the demo's pools live (removed after each run)"),
@@ -119,7 +119,7 @@ def demo(ctx: typer.Context,
     cost = ensure_cost(runner, 8192)
     folder = out_dir("demo", out)
     with progress_bar("chat requests") as bar:
-        task = bar.add_task("chat requests (recompute, then cacheflow)", total=None)
+        task = bar.add_task("chat requests (recompute and cacheflow, alternated)", total=None)
         results, cdf = run_demo(runner, cost, w, home=home, chunk_tokens=DEFAULT_CHUNK_TOKENS, kv_share=kv_share,
                                 repeats=repeats, check=check,
                                 tick=lambda done, total: bar.update(task, completed=done, total=total))
@@ -412,7 +412,8 @@ def bench_second_turn(
         return
     rows = [{"strategy": s, "TTFT ms (median)": r["ttft_s"] * 1e3,
              "each repeat ms": ", ".join(f"{t * 1e3:.0f}" for t in r["ttft_runs"]),
-             "from pool": r["pool_hit_tokens"], "resident": r["resident_hit_tokens"], "exact": r["exact"]}
+             "from pool": r["pool_hit_tokens"], "resident": r["resident_hit_tokens"],
+             "loaded / recomputed": f"{r['loaded_tokens']:.0f} / {r['recomputed_tokens']:.0f}", "exact": r["exact"]}
             for s, r in res["rows"].items()]
     print_table(f"{model}: second turn ({res['turn2_prompt_tokens']:,} prompt tokens) after "
                 f"{res['evicted_history_tokens']:,} tokens of history were evicted; pool at rho={rho:g} "
