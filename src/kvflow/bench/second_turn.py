@@ -14,8 +14,9 @@ on the serve defaults (blocks of 16, 512 tokens a step; pool chunks of 64) with 
                   restored by the strategy; TTFT = first token - ``add_request`` (engine API, no HTTP)
 
 Reported: each strategy's median TTFT over the repeats, cacheflow / recompute (of the medians, and per repeat), the
-history tokens restored from the pool vs resident, and whether turn 2's tokens equal ``generate`` (checked in every
-run against one reference).
+history tokens restored from the pool vs resident, the tokens the restoration's plan loads vs recomputes (the engine's
+``PoolTier`` counters: planned — cacheflow's run-time meet may recompute more), and whether turns 1 and 2's tokens
+equal ``generate`` (checked in every run against one reference).
 """
 
 from __future__ import annotations

@@ -413,7 +413,8 @@ def bench_second_turn(
     rows = [{"strategy": s, "TTFT ms (median)": r["ttft_s"] * 1e3,
              "each repeat ms": ", ".join(f"{t * 1e3:.0f}" for t in r["ttft_runs"]),
              "from pool": r["pool_hit_tokens"], "resident": r["resident_hit_tokens"],
-             "loaded / recomputed": f"{r['loaded_tokens']:.0f} / {r['recomputed_tokens']:.0f}", "exact": r["exact"]}
+             "planned loaded / recomputed": f"{r['loaded_tokens']:.0f} / {r['recomputed_tokens']:.0f}",
+             "exact": r["exact"]}
             for s, r in res["rows"].items()]
     print_table(f"{model}: second turn ({res['turn2_prompt_tokens']:,} prompt tokens) after "
                 f"{res['evicted_history_tokens']:,} tokens of history were evicted; pool at rho={rho:g} "
