@@ -19,6 +19,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 setup: $(STAMP)
 
+# The main job: the engine on its embedded defaults (tiny, pool under ./.kvflow/), a multi-round chat under memory
+# pressure with recompute and cacheflow; TTFT table, CDF PNG + JSON in runs/demo-TIME/ (docs/ENGINE.md, "make demo").
 demo: $(STAMP)
 	$(BIN)/kvflow demo
 
