@@ -51,8 +51,9 @@ def test_bad_demo_and_second_turn_options_are_one_line_and_exit_2(args, tmp_path
 
 def test_second_turn_restores_the_evicted_history_from_the_pool_with_both_strategies(tmp_path, no_profiling):
     assert main(["bench", "second-turn", "--history", "192", "--user-tokens", "8", "--answer-tokens", "2",
-                 "--repeats", "2", "--out", str(tmp_path)]) == 0
+                 "--repeats", "2", "--pool-dir", str(tmp_path / "pools"), "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "second_turn.json").read_text())
+    assert res["pool"].startswith("extent") and not list((tmp_path / "pools").iterdir())
     assert res["rho"] == 1 and res["link_bytes_per_s"] == pytest.approx(res["recompute_rate_bytes_per_s"])
     assert res["evicted_history_tokens"] >= 192
     for name in ("recompute", "cacheflow"):

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 from kvflow.bench.bound import recompute_rate
@@ -64,6 +66,8 @@ def _serve(engine, prompt: list[int], params: SamplingParams) -> tuple[float, li
 def run_second_turn(runner, cost, *, history: int = 4096, user_tokens: int = 64, answer_tokens: int = 16,
                     rho: float = 1.0, repeats: int = 3, chunk_tokens: int = 64, strategies=STRATEGIES,
                     pool_dir: str | None = None, seed: int = 0, progress: Progress = lambda s: None) -> dict:
+    """The run described in the module docstring; ``pool_dir``: the pools are extent files there (removed after
+    each run) instead of memory."""
     defaults = EngineConfig()
     block, step = defaults.block_size, defaults.max_num_batched_tokens
     tok = runner_tokenizer(runner)
@@ -110,6 +114,8 @@ def run_second_turn(runner, cost, *, history: int = 4096, user_tokens: int = 64,
                 bench.set_link(name, None)
                 engine.close()
                 bench.pools.pop(name).close()
+                if pool_dir is not None:
+                    shutil.rmtree(Path(pool_dir) / f"serve-{name}", ignore_errors=True)   # fresh_pool's folder
     rows = {}
     for name, got in runs.items():
         rows[name] = {"strategy": name, "ttft_s": statistics.median(r["ttft_s"] for r in got),
