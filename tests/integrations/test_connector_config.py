@@ -1,4 +1,4 @@
-"""The connector's settings: kv_connector_extra_config keys, KVFLOW_VLLM_* env, the pool from a file or inline."""
+"""The connector's settings: kv_connector_extra_config keys, KVFLOW_CONNECTOR_* env, the pool from a file or inline."""
 
 import pytest
 
@@ -20,7 +20,7 @@ def test_extra_config_keys_are_parsed_and_typed():
 
 
 def test_env_overrides_extra_config():
-    cfg = ConnectorConfig.from_extra({"min_tokens": 1}, env={"KVFLOW_VLLM_MIN_TOKENS": "1024", "KVFLOW_VLLM_LOAD": "0"})
+    cfg = ConnectorConfig.from_extra({"min_tokens": 1}, env={"KVFLOW_CONNECTOR_MIN_TOKENS": "1024", "KVFLOW_CONNECTOR_LOAD": "0"})
     assert cfg.min_tokens == 1024 and cfg.load is False
 
 

@@ -79,3 +79,10 @@ def test_a_pool_chunk_must_be_whole_vllm_blocks(chunk, block, ok):
     else:
         with pytest.raises(ConfigError, match="multiple of vLLM's block size"):
             check_alignment(chunk, block)
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_a_stated_layout_is_the_probed_one(transposed):
+    probed = PagedLayout.probed(write_op(transposed), H, BS, D, torch.float32)
+    stated = PagedLayout.fixed(write_op(transposed), H, BS, D, k_transposed=transposed)
+    assert torch.equal(probed.gather_k, stated.gather_k) and torch.equal(probed.gather_v, stated.gather_v)

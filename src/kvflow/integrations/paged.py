@@ -103,6 +103,16 @@ class PagedLayout:
         gk, gv = probe(write_op, heads, block_size, head_dim, dtype)
         return cls(block_size, heads, head_dim, gk, gv, write_op)
 
+    @classmethod
+    def fixed(cls, write_op: WriteOp, heads: int, block_size: int, head_dim: int, *, k_transposed: bool) -> PagedLayout:
+        """A layout stated instead of probed: V [bs, D], K [bs, D] or transposed [D, bs] in each head's region."""
+        plain = torch.arange(heads * block_size * head_dim)
+        if not k_transposed:
+            return cls(block_size, heads, head_dim, plain, plain, write_op)
+        h, pos, d = torch.meshgrid(torch.arange(heads), torch.arange(block_size), torch.arange(head_dim), indexing="ij")
+        return cls(block_size, heads, head_dim, (h * block_size * head_dim + d * block_size + pos).reshape(-1),
+                   plain, write_op)
+
     @property
     def k_transposed(self) -> bool:
         """K stored [D, bs] inside each head's region (the CPU ``vec`` path)."""

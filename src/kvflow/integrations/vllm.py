@@ -53,13 +53,15 @@ except ImportError:            # pragma: no cover - exercised in kvflow's own ve
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole = object, object, None
     HAVE_VLLM = False
 
-log = logging.getLogger("kvflow.vllm")
+log = logging.getLogger("vllm.kvflow" if HAVE_VLLM else "kvflow.vllm")   # inside vLLM: its handlers
 
 
 # ------------------------------------------------------------------------------------------------ config
+LAYOUTS = ("probe", "k-plain", "k-transposed")
+
 @dataclass(slots=True)
 class ConnectorConfig:
-    """``kv_connector_extra_config`` keys (env ``KVFLOW_VLLM_<KEY>`` overrides scalars)."""
+    """``kv_connector_extra_config`` keys (env ``KVFLOW_CONNECTOR_<KEY>`` overrides scalars)."""
     config: str | None = None        # kvflow YAML/TOML file whose ``pool:`` section is the pool (else KVFLOW_CONFIG)
     pool: dict | None = None         # ... or the ``pool:`` section inline
     fingerprint: str | None = None   # model fingerprint; default: computed from the checkpoint as kvflow serve does
@@ -69,19 +71,21 @@ class ConnectorConfig:
     load_threads: int = 2            # layers read at once (each read fans out over the pool's device workers)
     write_queue: int = 64            # pending writes before new ones are dropped (counted), never waited for
     refresh_s: float = 0.05          # scheduler: reload the pool index at most this often (another process writes)
+    layout: str = "probe"            # block layout: probe (ask vLLM's write op) | k-plain | k-transposed (forced)
 
     def validate(self) -> None:
-        check(self.pool is None or self.config is None, "vllm: set either config (a file) or pool (inline), not both")
+        check(self.pool is None or self.config is None, "connector: set either config (a file) or pool (inline), not both")
         check(self.fingerprint is None or re.fullmatch(r"[0-9a-f]{32}", self.fingerprint) is not None,
-              f"vllm.fingerprint: expected 32 hex digits, got {self.fingerprint!r}")
-        check(self.min_tokens >= 0, "vllm.min_tokens: must be >= 0")
-        check(1 <= self.load_threads <= 64, "vllm.load_threads: must be 1..64")
-        check(1 <= self.write_queue <= 4096, "vllm.write_queue: must be 1..4096")
-        check(0 <= self.refresh_s <= 3600, "vllm.refresh_s: must be 0..3600 seconds")
+              f"connector.fingerprint: expected 32 hex digits, got {self.fingerprint!r}")
+        check(self.min_tokens >= 0, "connector.min_tokens: must be >= 0")
+        check(1 <= self.load_threads <= 64, "connector.load_threads: must be 1..64")
+        check(1 <= self.write_queue <= 4096, "connector.write_queue: must be 1..4096")
+        check(0 <= self.refresh_s <= 3600, "connector.refresh_s: must be 0..3600 seconds")
+        check(self.layout in LAYOUTS, f"connector.layout: must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorConfig:
-        return load_section(cls, "vllm", dict(extra or {}), env)
+        return load_section(cls, "connector", dict(extra or {}), env)
 
     def pool_config(self, env: Mapping[str, str] | None = None) -> PoolConfig:
         env = os.environ if env is None else env
@@ -89,7 +93,7 @@ class ConnectorConfig:
             return PoolConfig.load({"pool": self.pool})
         path = self.config or env.get("KVFLOW_CONFIG")
         if not path:
-            raise ConfigError("vllm: no pool configured: set kv_connector_extra_config.config to a kvflow YAML/TOML "
+            raise ConfigError("kvflow connector: no pool configured: set kv_connector_extra_config.config to a kvflow YAML/TOML "
                               "file (its pool: section), .pool to the section inline, or KVFLOW_CONFIG")
         return PoolConfig.load(path)
 
@@ -101,7 +105,7 @@ def model_fingerprint(model: str, dtype: torch.dtype | str) -> str:
     try:
         return load_model(model, dtype=name).fingerprint
     except KVFlowError as err:
-        raise ConfigError(f"vllm: cannot compute the model fingerprint of {model!r} ({err}); set "
+        raise ConfigError(f"kvflow connector: cannot compute the model fingerprint of {model!r} ({err}); set "
                           "kv_connector_extra_config.fingerprint (load_model(PATH).fingerprint in kvflow)") from None
 
 
@@ -131,7 +135,7 @@ def open_reader(cfg: PoolConfig):
         if cfg.index_dir and _pool_id(cfg) in _POOLS:
             return _POOLS[_pool_id(cfg)]
     if not cfg.index_dir:
-        raise ConfigError("vllm: the pool needs index_dir (and memory devices a path, e.g. /dev/shm/kv0): vLLM's "
+        raise ConfigError("kvflow connector: the pool needs index_dir (and memory devices a path, e.g. /dev/shm/kv0): vLLM's "
                           "scheduler and workers run in different processes and share the pool through its index")
     return KVPool.open(cfg, readonly=True)
 
@@ -296,7 +300,7 @@ def layer_index(name: str) -> int:
     """``model.layers.3.self_attn.attn`` -> 3."""
     m = _LAYER_INDEX.search(name)
     if m is None:
-        raise ConfigError(f"vllm: cannot tell the layer index of attention layer {name!r}")
+        raise ConfigError(f"kvflow connector: cannot tell the layer index of attention layer {name!r}")
     return int(m.group(1))
 
 
@@ -326,12 +330,12 @@ class WorkerSide:
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         by_index = sorted((layer_index(n), n) for n in kv_caches)
         if [i for i, _ in by_index] != list(range(len(by_index))):
-            raise ConfigError(f"vllm: attention layers {[n for _, n in by_index]} are not layers 0..L-1 once each")
+            raise ConfigError(f"kvflow connector: attention layers {[n for _, n in by_index]} are not layers 0..L-1 once each")
         self.names = {n: i for i, n in by_index}
         self.caches = [kv_caches[n] for _, n in by_index]
         nb, heads, bs, two_d = self.caches[0].shape
         if bs != self.block_size:
-            raise ConfigError(f"vllm: KV cache blocks hold {bs} tokens, the scheduler's block size is "
+            raise ConfigError(f"kvflow connector: KV cache blocks hold {bs} tokens, the scheduler's block size is "
                               f"{self.block_size}: kvflow needs them equal")
         self.heads, self.head_dim = heads, two_d // 2
 
@@ -350,6 +354,7 @@ class WorkerSide:
         self._loads, self._fingerprint = list(meta.loads), meta.fingerprint
         if not self._loads:
             return
+        self._issued = time.perf_counter()
         for layer in range(self.num_layers):
             keys = [self._key(h, i, layer) for spec in self._loads for i, h in spec.chunks]
             self._inflight[layer] = self._io.submit(self.pool.get_many, keys)
@@ -359,7 +364,10 @@ class WorkerSide:
         fut = self._inflight.pop(layer, None) if layer is not None else None
         if fut is None:
             return
+        t0 = time.perf_counter()
         got = fut.result()
+        t1 = time.perf_counter()
+        self.counters["load_blocked_s"] += t1 - t0
         shape = (1, 2, self.heads, self.chunk, self.head_dim)
         ks, vs, slots = [], [], []
         for spec in self._loads:
@@ -384,9 +392,12 @@ class WorkerSide:
                 self._errors.update(spec.block_ids[bad_from:])
         if slots:
             self.layout(layer).write(self.caches[layer], torch.cat(slots), torch.cat(ks), torch.cat(vs))
+        self.counters["load_write_s"] += time.perf_counter() - t1
         if layer == self.num_layers - 1:
-            self.counters["loaded_tokens"] += sum(spec.end - spec.start for spec in self._loads
-                                                  if spec.req_id not in self._failed)
+            tokens = sum(spec.end - spec.start for spec in self._loads if spec.req_id not in self._failed)
+            self.counters["loaded_tokens"] += tokens
+            log.info("kvflow: loaded %d tokens of %d requests (%d failed) in %.3f s since the reads were issued",
+                     tokens, len(self._loads), len(self._failed), time.perf_counter() - self._issued)
 
     def finish_loads(self) -> None:
         """Layers vLLM never waited for (none in a normal step): load them now so no read outlives the step."""
@@ -489,17 +500,21 @@ class KVFlowConnector(KVConnectorBase_V1):
             fp = self._cfg.fingerprint or model_fingerprint(model.model, model.dtype)
             layers = model.get_num_layers(vllm_config.parallel_config)
             self._scheduler = SchedulerSide(self._cfg, pool_cfg, fp, layers, block_size)
+            if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
+                log.warning("kvflow connector: kv_load_failure_policy is %r: a missing or corrupt record fails its "
+                            "request; set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config to "
+                            "recompute it instead", self._kv_transfer_config.kv_load_failure_policy)
             log.info("kvflow connector (scheduler): pool %s, chunk %d tokens, block %d, model %s",
                      pool_cfg.index_dir, pool_cfg.chunk_tokens, block_size, fp)
         else:
             par = vllm_config.parallel_config
             if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
-                raise ConfigError("vllm: the kvflow connector stores whole layers: tensor/pipeline parallel size "
+                raise ConfigError("kvflow connector: the kvflow connector stores whole layers: tensor/pipeline parallel size "
                                   "must be 1")
             self._layouts: dict[tuple, PagedLayout] = {}
             self._kv_cache_dtype = vllm_config.cache_config.cache_dtype
             if self._kv_cache_dtype not in ("auto", None):
-                raise ConfigError(f"vllm: kv cache dtype {self._kv_cache_dtype!r}: kvflow records hold "
+                raise ConfigError(f"kvflow connector: kv cache dtype {self._kv_cache_dtype!r}: kvflow records hold "
                                   "the model's dtype (use the default 'auto')")
             self._worker = WorkerSide(self._cfg, open_writer(pool_cfg), block_size, self._layout)
 
@@ -514,12 +529,14 @@ class KVFlowConnector(KVConnectorBase_V1):
         attn = self._vllm_config.compilation_config.static_forward_context.get(name)
         isa = getattr(attn, "isa", None)
         if isa is None:
-            raise ConfigError(f"vllm: attention layer {name} has no CPU ISA (only vLLM's CPU backend is supported "
+            raise ConfigError(f"kvflow connector: attention layer {name} has no CPU ISA (only vLLM's CPU backend is supported "
                               "by this connector version)")
         dtype = w.caches[layer].dtype
         if (isa, dtype) not in self._layouts:
-            self._layouts[(isa, dtype)] = PagedLayout.probed(cpu_write_op(isa), w.heads, w.block_size,
-                                                             w.head_dim, dtype)
+            op, how = cpu_write_op(isa), self._cfg.layout
+            self._layouts[(isa, dtype)] = (
+                PagedLayout.probed(op, w.heads, w.block_size, w.head_dim, dtype) if how == "probe" else
+                PagedLayout.fixed(op, w.heads, w.block_size, w.head_dim, k_transposed=how == "k-transposed"))
             log.info("kvflow connector: CPU attention ISA %s, K %s", isa,
                      "transposed [D, bs]" if self._layouts[(isa, dtype)].k_transposed else "[bs, D]")
         return self._layouts[(isa, dtype)]

