@@ -40,6 +40,7 @@ import struct
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -574,43 +575,63 @@ def summarize(trials: list[Trial]) -> list[dict]:
              "sync_pass_max_s": max(t.sync_pass_max_s for t in ts)} for k, ts in kinds.items()]
 
 
+def _kill_phase(root: Path, durability: str, kills: int, seed: int, progress) -> tuple[list[Trial], list[str]]:
+    progress(f"kill -9 x {kills} ({durability})")
+    return kill_trials(root, durability, kills, seed), []
+
+
+def _disk_phase(root: Path, power_cuts: int, corruption_repeats: int, seed: int,
+                progress) -> tuple[list[Trial], list[str]]:
+    trials: list[Trial] = []
+    notes: list[str] = []
+    progress(f"corruption matrix x {corruption_repeats}")
+    trials += corruption_trials(root, corruption_repeats, seed)
+    progress("two pools on one device")
+    trials += two_pool_trials(root, max(1, corruption_repeats))
+    why = can_mount()
+    if why:
+        return trials, [f"power cuts, ENOSPC and EIO skipped: {why}"]
+    for durability in ("strict", "relaxed"):
+        progress(f"power cuts x {power_cuts} ({durability})")
+        trials += power_cut_trials(root, durability, power_cuts, seed + 7)
+    progress(f"power cuts x {max(2, power_cuts // 5)} (strict, evicting) and after a clean close (relaxed)")
+    trials += power_cut_trials(root, "strict", max(2, power_cuts // 5), seed + 9, evicting=True)
+    trials += power_cut_trials(root, "relaxed", max(2, power_cuts // 5), seed + 11, after_close=True)
+    progress("ENOSPC and EIO")
+    trials += enospc_trials(root, max(1, corruption_repeats))
+    trials += eio_trials(root, max(1, corruption_repeats), seed)
+    notes.append("dm-error / dm-flakey: " + ("used" if os.path.exists("/dev/mapper/control") and _has_dm() else
+                                            "no device-mapper in this kernel; EIO comes from a file-system shutdown"))
+    return trials, notes
+
+
 def run(kills: int, power_cuts: int, corruption_repeats: int, seed: int = 0, root: Path | None = None,
-        progress=print) -> dict:
+        progress=print, jobs: int = 1) -> dict:
+    """Three phases — kill -9 strict, kill -9 relaxed, everything on disk — one after the other, or with ``jobs``
+    > 1 in that many forked processes side by side (each phase has its own folders; the trials are the same)."""
     own = root is None
     root = Path(tempfile.mkdtemp(prefix="kvflow-reliability-", dir="/var/tmp")) if own else root
-    trials: list[Trial] = []
-    skipped: list[str] = []
+    phases = [(_kill_phase, (root, "strict", kills, seed)), (_kill_phase, (root, "relaxed", kills, seed + 1)),
+              (_disk_phase, (root, power_cuts, corruption_repeats, seed))]
     t0 = time.time()
     try:
-        for durability in ("strict", "relaxed"):
-            progress(f"kill -9 x {kills} ({durability})")
-            trials += kill_trials(root, durability, kills, seed + (durability == "relaxed"))
-        progress(f"corruption matrix x {corruption_repeats}")
-        trials += corruption_trials(root, corruption_repeats, seed)
-        progress("two pools on one device")
-        trials += two_pool_trials(root, max(1, corruption_repeats))
-        why = can_mount()
-        if why:
-            skipped.append(f"power cuts, ENOSPC and EIO skipped: {why}")
+        if jobs <= 1:
+            results = [fn(*args, progress) for fn, args in phases]
         else:
-            for durability in ("strict", "relaxed"):
-                progress(f"power cuts x {power_cuts} ({durability})")
-                trials += power_cut_trials(root, durability, power_cuts, seed + 7)
-            progress(f"power cuts x {max(2, power_cuts // 5)} (strict, evicting) and after a clean close (relaxed)")
-            trials += power_cut_trials(root, "strict", max(2, power_cuts // 5), seed + 9, evicting=True)
-            trials += power_cut_trials(root, "relaxed", max(2, power_cuts // 5), seed + 11, after_close=True)
-            progress("ENOSPC and EIO")
-            trials += enospc_trials(root, max(1, corruption_repeats))
-            trials += eio_trials(root, max(1, corruption_repeats), seed)
-            skipped.append("dm-error / dm-flakey: " + ("used" if os.path.exists("/dev/mapper/control") and
-                                                       _has_dm() else "no device-mapper in this kernel; EIO "
-                                                                      "comes from a file-system shutdown"))
+            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as ex:
+                futures = [ex.submit(fn, *args, _say) for fn, args in phases]
+                results = [f.result() for f in futures]
     finally:
         if own:
             shutil.rmtree(root, ignore_errors=True)
+    trials = [t for phase, _ in results for t in phase]
     return {"seed": seed, "kills": kills, "power_cuts": power_cuts, "corruption_repeats": corruption_repeats,
-            "seconds": round(time.time() - t0, 1), "notes": skipped, "summary": summarize(trials),
-            "trials": [asdict(t) for t in trials]}
+            "jobs": jobs, "seconds": round(time.time() - t0, 1), "notes": [n for _, notes in results for n in notes],
+            "summary": summarize(trials), "trials": [asdict(t) for t in trials]}
+
+
+def _say(message: str) -> None:
+    print(f"... {message}", flush=True)
 
 
 def _has_dm() -> bool:
@@ -628,12 +649,13 @@ def main() -> None:
     ap.add_argument("--kills", type=_count, default=500, help="kill -9 trials per durability mode (strict, relaxed)")
     ap.add_argument("--power-cuts", type=_count, default=50, help="power cuts per durability mode (strict, relaxed)")
     ap.add_argument("--corruption-repeats", type=_count, default=3)
+    ap.add_argument("--jobs", type=_count, default=1, help="run the three phases (kill strict, kill relaxed, disk) "
+                                                         "in this many processes side by side")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--check", action="store_true", help="exit 1 when any trial fails its acceptance")
     args = ap.parse_args()
-    result = run(args.kills, args.power_cuts, args.corruption_repeats, args.seed,
-                 progress=lambda s: print(f"... {s}", flush=True))
+    result = run(args.kills, args.power_cuts, args.corruption_repeats, args.seed, progress=_say, jobs=args.jobs)
     cols = ("kind", "trials", "acked_puts_lost", "wrong_served", "intact_lost", "fsck_clean", "passed",
             "relaxed_lost_before_last_sync", "oldest_lost_s", "horizon_max_s", "sync_pass_max_s")
     print(" | ".join(cols))
