@@ -183,7 +183,8 @@ class Planner:
         nominal = [self._ttft(p) for p in candidates]
         best = min(range(len(candidates)), key=lambda i: (round(regrets[i], 3), nominal[i]))
         choice = candidates[best]
-        return replace(choice, strategy="cacheflow", notes={"chose": choice.strategy, "regret": regrets[best]})
+        return replace(choice, strategy="cacheflow", notes={"chose": choice.strategy, "regret": regrets[best],
+                                                             "band": (self.config.compute_band, self.config.io_band)})
 
     def scenarios(self) -> list[tuple[float, float]]:
         """(compute slowdown, I/O slowdown) the choice must hold under: the band's corners and the model itself."""
