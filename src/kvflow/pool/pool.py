@@ -663,5 +663,8 @@ class KVPool:
                     self.checkpoint()
                 elif self.cfg.durability == "relaxed":
                     self._sync_pass()
-            except Exception:   # a failing disk must not kill the pool; the next put/get reports it
+            except OSError as err:   # a failing disk must not kill the pool; the next put/get reports it
+                log.error("pool index %s: background sync failed (%s); retried in %.3g s", self.cfg.index_dir,
+                          err.strerror or err, interval)
+            except Exception:        # a bug: its traceback
                 log.exception("pool: background checkpoint failed")
