@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvflow.errors import ConfigError
+from kvflow.errors import ConfigError, KVFlowError
 from kvflow.integrations.vllm import ConnectorConfig
 
 POOL = {"chunk_tokens": 256, "devices": [{"type": "memory", "capacity": "64M"}]}
@@ -58,3 +58,18 @@ def test_no_pool_anywhere_says_how_to_configure_one():
 def test_a_missing_config_file_is_named():
     with pytest.raises(ConfigError, match="not found"):
         ConnectorConfig.from_extra({"config": "/nonexistent/kvflow.yaml"}, env={}).pool_config(env={})
+
+
+def test_a_pool_without_an_index_cannot_be_shared_by_vllms_two_processes():
+    from kvflow.integrations.vllm import SchedulerSide
+    cfg = ConnectorConfig.from_extra({"pool": POOL}, env={})
+    with pytest.raises(ConfigError, match="needs index_dir"):
+        SchedulerSide(cfg, cfg.pool_config(env={}), "ab" * 16, 4, 128)
+
+
+def test_the_module_imports_without_vllm_and_the_connector_says_it_needs_it():
+    import kvflow.integrations.vllm as connector
+    if connector.HAVE_VLLM:
+        pytest.skip("vLLM is installed in this environment")
+    with pytest.raises(KVFlowError, match="runs inside vLLM"):
+        connector.KVFlowConnector(None, None, None)

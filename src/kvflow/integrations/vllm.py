@@ -110,19 +110,15 @@ def model_fingerprint(model: str, dtype: torch.dtype | str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the pool
-_POOLS: dict[str, Any] = {}      # index_dir or id -> writable KVPool opened in this process (workers)
+_POOLS: dict[str, Any] = {}      # index_dir -> the writable KVPool this process opened (the worker's)
 _POOLS_LOCK = threading.Lock()
-
-
-def _pool_id(cfg: PoolConfig) -> str:
-    return os.path.abspath(cfg.index_dir) if cfg.index_dir else f"anonymous:{id(cfg)}"
 
 
 def open_writer(cfg: PoolConfig):
     """The worker's pool (one writer per index_dir per process)."""
     from kvflow.pool import KVPool
     with _POOLS_LOCK:
-        key = _pool_id(cfg)
+        key = os.path.abspath(cfg.index_dir)
         if key not in _POOLS:
             _POOLS[key] = KVPool.open(cfg)
         return _POOLS[key]
@@ -132,12 +128,16 @@ def open_reader(cfg: PoolConfig):
     """The scheduler's view: the writer this process holds, else a read-only view of its index on disk."""
     from kvflow.pool import KVPool
     with _POOLS_LOCK:
-        if cfg.index_dir and _pool_id(cfg) in _POOLS:
-            return _POOLS[_pool_id(cfg)]
-    if not cfg.index_dir:
-        raise ConfigError("kvflow connector: the pool needs index_dir (and memory devices a path, e.g. /dev/shm/kv0): vLLM's "
-                          "scheduler and workers run in different processes and share the pool through its index")
+        if os.path.abspath(cfg.index_dir) in _POOLS:
+            return _POOLS[os.path.abspath(cfg.index_dir)]
     return KVPool.open(cfg, readonly=True)
+
+
+def check_shareable(cfg: PoolConfig) -> None:
+    if not cfg.index_dir:
+        raise ConfigError("kvflow connector: the pool needs index_dir (and memory devices a path, e.g. "
+                          "/dev/shm/kv0): vLLM's scheduler and workers are different processes and share the pool "
+                          "through its index")
 
 
 # ------------------------------------------------------------------------------------------------ metadata
@@ -180,6 +180,8 @@ class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, pool_cfg: PoolConfig, fingerprint: str, num_layers: int,
                  block_size: int, pool=None):
         check_alignment(pool_cfg.chunk_tokens, block_size)
+        if pool is None:
+            check_shareable(pool_cfg)
         self.cfg, self.pool_cfg, self.fingerprint = cfg, pool_cfg, fingerprint
         self.chunk, self.block_size = pool_cfg.chunk_tokens, block_size
         self.groups = layer_groups(num_layers, 1)
@@ -193,8 +195,6 @@ class SchedulerSide:
         if self._pool is None:
             try:
                 self._pool = open_reader(self.pool_cfg)
-            except ConfigError:
-                raise
             except Exception as err:        # the worker has not created it yet: no hits for now, ask again later
                 log.warning("kvflow pool not readable yet (%s): no pool hits until it is", err)
                 return None
@@ -516,6 +516,7 @@ class KVFlowConnector(KVConnectorBase_V1):
             if self._kv_cache_dtype not in ("auto", None):
                 raise ConfigError(f"kvflow connector: kv cache dtype {self._kv_cache_dtype!r}: kvflow records hold "
                                   "the model's dtype (use the default 'auto')")
+            check_shareable(pool_cfg)
             self._worker = WorkerSide(self._cfg, open_writer(pool_cfg), block_size, self._layout)
 
     @property
