@@ -22,10 +22,13 @@ class EngineConfig:
     pool_min_tokens: int = 1              # a pool hit must add at least this many tokens over the resident hit
     async_restore: bool = True            # restore pool hits on a worker thread while steps go on (False: in the step)
     write_queue: int = 64                 # pending pool writes at most; a full queue drops (and counts) writes
+    activation_reserve: int = 0           # bytes of prefill activations ("64M"); 0: measured at start-up (reserve.py)
 
     def validate(self) -> None:
         if isinstance(self.kv_budget, str):
             self.kv_budget = _parse_size(self.kv_budget)
+        if isinstance(self.activation_reserve, str):
+            self.activation_reserve = _parse_size(self.activation_reserve)
         check(self.block_size >= 1, f"engine.block_size must be >= 1, got {self.block_size}")
         check(self.kv_budget > 0 or self.num_blocks > 0, "engine.kv_budget must be > 0")
         check(self.num_blocks >= 0, f"engine.num_blocks must be >= 0, got {self.num_blocks}")
@@ -35,6 +38,7 @@ class EngineConfig:
         check(self.strategy in STRATEGIES, f"engine.strategy {self.strategy!r}: use one of {', '.join(STRATEGIES)}")
         check(self.pool_min_tokens >= 1, "engine.pool_min_tokens must be >= 1")
         check(self.write_queue >= 1, "engine.write_queue must be >= 1")
+        check(self.activation_reserve >= 0, f"engine.activation_reserve must be >= 0, got {self.activation_reserve}")
 
     @classmethod
     def load(cls, data: dict | None = None, env=None) -> EngineConfig:

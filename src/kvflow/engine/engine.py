@@ -27,6 +27,7 @@ from kvflow.engine.config import EngineConfig
 from kvflow.engine.model_runner import BatchRunner, StepItem
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.engine.pool_tier import PoolTier
+from kvflow.engine.reserve import MemoryBudget, measure_activation_reserve, weight_bytes
 from kvflow.engine.sampling import SamplingError, SamplingParams, sample
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.sequence import Sequence, Status
@@ -99,6 +100,11 @@ class LLMEngine:
                                   runner.head_dim, runner.dtype)
         self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.batch_runner = BatchRunner(runner, self.cache)
+        reserve = cfg.activation_reserve or measure_activation_reserve(
+            runner, cfg.max_num_batched_tokens, max_model_len=self.max_model_len)
+        self.memory = MemoryBudget(weight_bytes(runner), reserve, self.num_blocks * per_block, self.num_blocks,
+                                   cfg.block_size)
+        log.info("%s", self.memory.line())
         self.pool = PoolTier(restorer, cfg.strategy, cfg.write_queue) if restorer is not None else None
         self._restorer = ThreadPoolExecutor(1, thread_name_prefix="kvflow-restore") if self.pool else None
         self._jobs: list[_RestoreJob] = []

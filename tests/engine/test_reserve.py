@@ -1,0 +1,53 @@
+"""The activation reserve is measured (positive, grows with the token budget) and the start-up budget adds up."""
+
+import logging
+
+from kvflow.engine import EngineConfig, LLMEngine
+from kvflow.engine.paged_cache import PagedKVCache
+from kvflow.engine.reserve import MemoryBudget, measure_activation_reserve, weight_bytes
+
+
+def test_reserve_is_positive_and_grows_with_the_token_budget(tiny):
+    small, large = (measure_activation_reserve(tiny, n) for n in (64, 1024))
+    assert 0 < small < large
+    assert large >= 4 * small                  # 16x the tokens: activations scale with tokens, not a fixed cost
+
+
+def test_reserve_is_cached_per_model_and_budget(tiny):
+    first = measure_activation_reserve(tiny, 128)
+    assert measure_activation_reserve(tiny, 128) == first
+
+
+def test_a_budget_longer_than_the_context_is_packed_as_several_sequences(tiny):
+    assert measure_activation_reserve(tiny, 256, max_model_len=100) > 0
+
+
+def test_weights_count_tied_parameters_once(tiny):
+    params = sum(p.numel() * p.element_size() for p in tiny.hf_model.parameters())
+    assert params <= weight_bytes(tiny) <= params + 2**20
+
+
+def test_startup_report_adds_up(tiny, caplog):
+    with caplog.at_level(logging.INFO, logger="kvflow.engine"):
+        engine = LLMEngine(tiny, EngineConfig(kv_budget=4 * 2**20, max_num_batched_tokens=256))
+    m = engine.memory
+    per_block = PagedKVCache.bytes_per_block(tiny.num_layers, 16, tiny.kv_heads, tiny.head_dim, 4)
+    assert m.kv_blocks == engine.num_blocks * per_block == engine.cache.kv.numel() * 4
+    assert m.activation_reserve == measure_activation_reserve(tiny, 256)
+    assert m.weights == weight_bytes(tiny)
+    assert m.total == m.weights + m.activation_reserve + m.kv_blocks
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory:"))
+    assert "weights" in line and "activation reserve" in line and "KV blocks" in line and line.endswith("MiB")
+
+
+def test_a_stated_reserve_is_not_measured(tiny):
+    cfg = EngineConfig(kv_budget=2**20, activation_reserve="3M")
+    cfg.validate()
+    assert LLMEngine(tiny, cfg).memory.activation_reserve == 3 * 2**20
+
+
+def test_elastic_blocks_are_shown_inside_the_reserve_not_added():
+    m = MemoryBudget(weights=100, activation_reserve=64, kv_blocks=320, num_blocks=10, block_size=16,
+                     elastic_blocks=2)
+    assert m.block_bytes == 32 and m.total == 100 + 64 + 320
+    assert "lends 2 elastic blocks" in m.line()
