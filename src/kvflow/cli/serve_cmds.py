@@ -211,8 +211,13 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                 results["runs"][name]["prompts_digest"] = [prompts_digest(r[0]) for r in rounds_]
         if peer in rounds_of:
             ref = results["runs"][peer]["summary"]
-            results["vs_peer"] = {name: {f"{k}_ratio": results["runs"][name]["summary"][k] / ref[k]
-                                         for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s")}
+
+            def paired(name: str, k: str) -> list[float]:           # round i against the peer's round i
+                return [a[1][k] / b[1][k] for a, b in zip(rounds_of[name], rounds_of[peer])]
+            results["vs_peer"] = {name: {**{f"{k}_ratio": results["runs"][name]["summary"][k] / ref[k]
+                                            for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s")},
+                                         "rounds_ttft_p99_ratio": paired(name, "ttft_p99_s"),
+                                         "rounds_ttft_mean_ratio": paired(name, "ttft_mean_s")}
                                   for name in names}
             digests = {d for name in rounds_of for d in results["runs"][name]["prompts_digest"]}
             results["same_prompts"] = len(digests) == 1
