@@ -1,0 +1,6 @@
+"""Memory advisor: which pays for a model and GPU — the elastic KV reserve or a smaller token budget (docs/ADVISOR.md)."""
+
+from kvflow.advisor.advise import Advice, advise, table
+from kvflow.advisor.shapes import ModelShape, load_shape
+
+__all__ = ["Advice", "advise", "table", "ModelShape", "load_shape"]
