@@ -51,3 +51,17 @@ def test_elastic_blocks_are_shown_inside_the_reserve_not_added():
                      elastic_blocks=2)
     assert m.block_bytes == 32 and m.total == 100 + 64 + 320
     assert "lends 2 elastic blocks" in m.line()
+
+
+def test_where_nothing_can_be_measured_the_shape_formula_stands_in(tiny, monkeypatch, caplog):
+    from kvflow.engine import reserve
+
+    def refuse(self):
+        raise OSError("no /proc/self/clear_refs")
+
+    monkeypatch.setattr(reserve._HostPeak, "start", refuse)
+    monkeypatch.setattr(reserve, "_CACHE", {})
+    with caplog.at_level(logging.WARNING, logger="kvflow.engine"):
+        got = measure_activation_reserve(tiny, 96)
+    assert got == reserve.formula_reserve(tiny, 96) > 0
+    assert any("not measurable" in r.getMessage() for r in caplog.records)

@@ -1,4 +1,4 @@
-"""Memory advisor: which pays for a model and GPU — the elastic KV reserve or a smaller token budget (docs/ADVISOR.md)."""
+"""Memory advisor: for a model and GPU, does the elastic KV reserve or a smaller token budget pay (docs/ADVISOR.md)."""
 
 from kvflow.advisor.advise import Advice, advise, table
 from kvflow.advisor.shapes import ModelShape, load_shape

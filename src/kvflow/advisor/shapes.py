@@ -35,7 +35,7 @@ class ModelShape:
         return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
 
-def _from_config(name: str, cfg: dict) -> ModelShape:
+def shape_from_config(name: str, cfg: dict) -> ModelShape:
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -75,7 +75,7 @@ def load_shape(name_or_path: str) -> ModelShape:
         except (OSError, ValueError) as err:
             raise ModelError(f"{name_or_path}: not a transformers checkpoint ({err.__class__.__name__}: "
                              "no readable config.json)") from None
-        return _from_config(str(path), cfg.get("text_config", cfg))
+        return shape_from_config(str(path), cfg.get("text_config", cfg))
     if name.partition("@")[0] not in PRESETS and ("/" in name or path.suffix):
         raise ModelError(f"{name_or_path}: no such checkpoint directory or known model id "
                          f"({', '.join([*PRESETS, *EXTRA])})")
@@ -83,4 +83,4 @@ def load_shape(name_or_path: str) -> ModelShape:
     cfg = dict(preset.config, model_type=preset.family)
     if layers is not None:
         cfg["num_hidden_layers"] = layers
-    return _from_config(name, cfg)
+    return shape_from_config(name, cfg)

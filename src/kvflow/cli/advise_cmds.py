@@ -71,7 +71,8 @@ def advise_cmd(
                                         "(default 2048; --table: 512, 2048, 8192)"),
     kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="KV cache dtype: bf16, fp16, fp32, fp8"),
     dtype: str = typer.Option("bf16", "--dtype", help="weight and activation dtype"),
-    max_model_len: int = typer.Option(0, "--max-model-len", help="one context of this many tokens must fit (0: no check)"),
+    max_model_len: int = typer.Option(0, "--max-model-len",
+                                      help="one context of this many tokens must fit (0: no check)"),
     small_chunk: int = typer.Option(0, "--small-chunk", help="the smaller chunk to compare (0: chunk/4, >= 256)"),
     max_seqs: int = typer.Option(256, "--max-seqs", help="sequences in a decode-only step (vLLM's max_num_seqs)"),
     utilization: float = typer.Option(0.9, "--utilization", help="share of GPU memory the engine may use"),
@@ -96,7 +97,8 @@ def advise_cmd(
               f"CPU) -> k = {factor:.2f}", file=sys.stderr)
     if as_table:
         cells = table([model] if model else table_models(), [gpu_mem] if gpu_mem is not None else list(GPU_MEMS),
-                      [tp] if tp is not None else list(TPS), [chunk] if chunk is not None else list(CHUNKS), pp=pp, factor=factor, **kw)
+                      [tp] if tp is not None else list(TPS), [chunk] if chunk is not None else list(CHUNKS),
+                      pp=pp, factor=factor, **kw)
         if as_json:
             print(json.dumps([{"model": c.model, "gpu_mem_gib": c.gpu_mem_gib, "tp": c.tp, "chunk": c.chunk,
                                "advice": c.advice.as_dict() if c.advice else None, "problem": c.problem}

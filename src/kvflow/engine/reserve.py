@@ -13,18 +13,22 @@ prefill step of that many tokens through the engine's own ``BatchRunner`` over a
 * on CUDA (written, not yet run on a GPU here): ``torch.cuda.max_memory_allocated`` minus the allocated bytes
   before the step, after ``reset_peak_memory_stats``.
 
-Measurements are cached per (model fingerprint, token budget, longest sequence, device, torch threads) for the
+The CPU reading is process-wide: taken at start-up, before other threads of the engine run. Where it cannot be
+taken (no ``/proc/self/clear_refs``: not Linux, a locked-down container) the reserve is the advisor's shape formula
+(docs/ADVISOR.md) and a warning says so. Measurements are cached per (model fingerprint, token budget, longest sequence, device, torch threads) for the
 process, so every engine of one model and budget measures once.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger("kvflow.engine")
 _CACHE: dict[tuple, int] = {}
 _WARMUP_TOKENS = 16      # a first small step: lazy kernel/thread-pool set-up is not part of the reserve
 
@@ -81,8 +85,20 @@ def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model
     if key not in _CACHE:
         probe = _CUDAPeak(device) if device.type == "cuda" else _HostPeak()
         _step(runner, min(_WARMUP_TOKENS, max_num_batched_tokens), limit, device)
-        _CACHE[key] = max(1, _step(runner, max_num_batched_tokens, limit, device, probe))
+        try:
+            _CACHE[key] = max(1, _step(runner, max_num_batched_tokens, limit, device, probe))
+        except OSError as err:
+            _CACHE[key] = formula_reserve(runner, max_num_batched_tokens)
+            log.warning("activation reserve not measurable here (%s); using the shape formula: %d B", err, _CACHE[key])
     return _CACHE[key]
+
+
+def formula_reserve(runner, tokens: int) -> int:
+    """The advisor's estimate (k = 1) for this model's shape and dtype: the fallback when nothing can be measured."""
+    from kvflow.advisor.memory import activation_reserve
+    from kvflow.advisor.shapes import shape_from_config
+
+    return activation_reserve(shape_from_config(runner.name, runner.config.to_dict()), tokens, 1, runner.dtype.itemsize)
 
 
 def _step(runner, tokens: int, seq_len: int, device, probe=None, block_size: int = 16) -> int:
