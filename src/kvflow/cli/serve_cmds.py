@@ -30,6 +30,9 @@ def serve(model: str = typer.Option("tiny", "--model", help="preset name or loca
           api_key: Optional[str] = typer.Option(None, "--api-key", envvar="KVFLOW_API_KEY",
                                                 help="require 'Authorization: Bearer KEY' on every route but /health"),
           seed: int = typer.Option(0, "--seed", help="weights seed of a random-weight preset"),
+          elastic_reserve: bool = typer.Option(False, "--elastic-reserve",
+                                               help="lend the prefill activation reserve as KV blocks while only "
+                                                    "decodes run (engine.elastic_reserve)"),
           log_level: str = typer.Option("info", "--log-level")) -> None:
     """Serve MODEL with /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics."""
     import logging
@@ -41,7 +44,7 @@ def serve(model: str = typer.Option("tiny", "--model", help="preset name or loca
     _check_listen(host, port)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run(model, str(config) if config else None, host=host, port=port, api_key=api_key, seed=seed,
-        log_level=log_level)
+        log_level=log_level, elastic_reserve=elastic_reserve)
 
 
 @bench_app.command("decode")

@@ -10,7 +10,8 @@ its last user frees it a block goes to the back of the free queue *with its hash
 it is taken for a new allocation from the front (least recently freed first, i.e. LRU).
 
 Invariants (tests/engine/test_block_manager.py): a block with refcount > 0 is never in the free queue; refcount =
-number of block tables that hold it; ``cached`` maps only to blocks whose hash is that key.
+number of block tables that hold it; ``cached`` maps only to blocks whose hash is that key. Blocks in ``offline``
+(an elastic reserve not lent now, engine/elastic.py) are in no table, not free and not cached.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ def chain_hash(parent: bytes | None, tokens) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, offline=()):
         assert num_blocks > 0 and block_size > 0
         self.block_size, self.num_blocks, self.enable_caching = block_size, num_blocks, enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # front: evicted first
+        self.offline: set[int] = set(offline)      # ids that exist but are not usable now (elastic reserve)
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(
+            i for i in range(num_blocks) if i not in self.offline)                    # front: evicted first
         self.cached: dict[bytes, int] = {}
         self.evictions = 0             # cached blocks taken for new data
 
@@ -53,7 +56,7 @@ class BlockManager:
     @property
     def usage(self) -> float:
         """Share of blocks held by sequences (free blocks that still cache a prefix count as free)."""
-        return 1.0 - len(self.free) / self.num_blocks
+        return 1.0 - len(self.free) / (self.num_blocks - len(self.offline))
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -126,13 +129,63 @@ class BlockManager:
                 self.free[b] = None
         seq.block_table, seq.block_hashes = [], []
 
-    def _take(self) -> int:
-        b, _ = self.free.popitem(last=False)
+    # ------------------------------------------------- elastic reserve hooks (engine/elastic.py drives them)
+    def bring_online(self, ids: list[int]) -> None:
+        """Offline blocks become free, at the front of the queue (empty: taken before a cached block is evicted)."""
+        for b in reversed(ids):
+            self.offline.remove(b)
+            self.free[b] = None
+            self.free.move_to_end(b, last=False)
+
+    def take_offline(self, ids: list[int]) -> None:
+        """Free blocks leave the budget (their cached prefixes are dropped)."""
+        for b in ids:
+            assert self.blocks[b].ref_count == 0, f"block {b} is held"
+        for b in ids:
+            del self.free[b]
+            self._forget(self.blocks[b])
+            self.offline.add(b)
+
+    def take(self, ids: list[int]) -> None:
+        """Take these free blocks (refcount 1, hash dropped) for the caller to fill; ``untake`` gives them back."""
+        for b in ids:
+            assert self.blocks[b].ref_count == 0 and b in self.free
+            self._take(b)
+
+    def untake(self, ids: list[int]) -> None:
+        for b in ids:
+            assert self.blocks[b].ref_count == 1 and self.blocks[b].hash is None
+            self.blocks[b].ref_count = 0
+            self.free[b] = None
+            self.free.move_to_end(b, last=False)
+
+    def relocate(self, moves: dict[int, int], seqs) -> None:
+        """Block src's holders and hash now point at dst (taken, its KV already copied); src becomes free."""
+        for seq in seqs:
+            seq.block_table = [moves.get(b, b) for b in seq.block_table]
+        for src, dst in moves.items():
+            s, d = self.blocks[src], self.blocks[dst]
+            d.ref_count, s.ref_count = s.ref_count, 0
+            if s.hash is not None and self.cached.get(s.hash) == src:
+                self.cached[s.hash] = dst
+            d.hash, s.hash = s.hash, None
+            self.free[src] = None
+
+    def _forget(self, block: Block) -> bool:
+        """Drop the block's cached prefix; True if it had one."""
+        if block.hash is None:
+            return False
+        if self.cached.get(block.hash) == block.block_id:
+            del self.cached[block.hash]
+        block.hash = None
+        return True
+
+    def _take(self, b: int | None = None) -> int:
+        if b is None:
+            b, _ = self.free.popitem(last=False)
+        else:
+            del self.free[b]
         block = self.blocks[b]
-        if block.hash is not None:
-            if self.cached.get(block.hash) == b:
-                del self.cached[block.hash]
-            block.hash = None
-            self.evictions += 1
+        self.evictions += self._forget(block)
         block.ref_count = 1
         return b

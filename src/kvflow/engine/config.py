@@ -23,6 +23,8 @@ class EngineConfig:
     async_restore: bool = True            # restore pool hits on a worker thread while steps go on (False: in the step)
     write_queue: int = 64                 # pending pool writes at most; a full queue drops (and counts) writes
     activation_reserve: int = 0           # bytes of prefill activations ("64M"); 0: measured at start-up (reserve.py)
+    elastic_reserve: bool = False         # lend the prefill activation reserve as KV blocks while only decodes run
+    elastic_blocks: int = 0               # > 0: lend this many blocks instead of the reserve's bytes / bytes per block
 
     def validate(self) -> None:
         if isinstance(self.kv_budget, str):
@@ -39,6 +41,7 @@ class EngineConfig:
         check(self.pool_min_tokens >= 1, "engine.pool_min_tokens must be >= 1")
         check(self.write_queue >= 1, "engine.write_queue must be >= 1")
         check(self.activation_reserve >= 0, f"engine.activation_reserve must be >= 0, got {self.activation_reserve}")
+        check(self.elastic_blocks >= 0, f"engine.elastic_blocks must be >= 0, got {self.elastic_blocks}")
 
     @classmethod
     def load(cls, data: dict | None = None, env=None) -> EngineConfig:

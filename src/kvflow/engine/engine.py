@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kvflow.engine.block_manager import BlockManager
 from kvflow.engine.config import EngineConfig
+from kvflow.engine.elastic import ElasticReserve
 from kvflow.engine.model_runner import BatchRunner, StepItem
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.engine.pool_tier import PoolTier
@@ -96,9 +97,11 @@ class LLMEngine:
         if self.num_blocks < 1:
             raise ConfigError(f"engine.kv_budget {cfg.kv_budget} B holds no block ({per_block} B per block)")
         self.max_model_len = cfg.max_model_len or getattr(runner.config, "max_position_embeddings", 2**31)
-        self.cache = PagedKVCache(runner.num_layers, self.num_blocks, cfg.block_size, runner.kv_heads,
-                                  runner.head_dim, runner.dtype)
-        self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.elastic = ElasticReserve.create(runner, cfg, self.num_blocks, per_block) if cfg.elastic_reserve else None
+        lent = self.elastic.lent_ids if self.elastic else []
+        self.cache = PagedKVCache(runner.num_layers, self.num_blocks + len(lent), cfg.block_size, runner.kv_heads,
+                                  runner.head_dim, runner.dtype, self.elastic.region.kv if self.elastic else None)
+        self.blocks = BlockManager(self.num_blocks + len(lent), cfg.block_size, cfg.enable_prefix_caching, lent)
         self.batch_runner = BatchRunner(runner, self.cache)
         reserve = cfg.activation_reserve or measure_activation_reserve(
             runner, cfg.max_num_batched_tokens, max_model_len=self.max_model_len)
@@ -109,6 +112,8 @@ class LLMEngine:
         self._restorer = ThreadPoolExecutor(1, thread_name_prefix="kvflow-restore") if self.pool else None
         self._jobs: list[_RestoreJob] = []
         self.scheduler = Scheduler(cfg, self.blocks, self.pool.lookup if self.pool else None, self._store)
+        if self.elastic is not None:
+            self.elastic.attach(self)
         eos = getattr(runner.hf_model.generation_config, "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.vocab_size = runner.config.vocab_size
@@ -171,7 +176,12 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         outputs = self._finish_restores()
+        if self.elastic is not None:          # lend the reserve, or take it back before a prefill (engine/elastic.py)
+            outputs += [RequestOutput(s.seq_id, [], "", True, s.finish_reason, s.num_prompt_tokens, s.num_output, 0)
+                        for s in self.elastic.before_schedule()]
         plan = self.scheduler.schedule()
+        if self.elastic is not None:
+            self.elastic.check(plan)
         self.stats.preemptions += len(plan.preempted)
         if not plan.scheduled:
             if self._jobs and not outputs:         # only restorations in flight: wait a little for one

@@ -15,9 +15,11 @@ import torch
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, storage: torch.Tensor | None = None):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        self.kv = torch.zeros(num_layers, 2, num_blocks * block_size, kv_heads, head_dim, dtype=dtype)
+        shape = (num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
+        assert storage is None or (tuple(storage.shape) == shape and storage.dtype == dtype)
+        self.kv = storage if storage is not None else torch.zeros(shape, dtype=dtype)   # storage: an elastic mmap
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -28,6 +30,13 @@ class PagedKVCache:
         pos = torch.arange(start, end)
         table = torch.as_tensor(block_table, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """K/V of blocks ``src`` into blocks ``dst`` (every layer; the elastic take-back's move)."""
+        bs, offset = self.block_size, torch.arange(self.block_size)
+        s = (torch.as_tensor(src, dtype=torch.long).view(-1, 1) * bs + offset).view(-1)
+        d = (torch.as_tensor(dst, dtype=torch.long).view(-1, 1) * bs + offset).view(-1)
+        self.kv[:, :, d] = self.kv[:, :, s]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [1, H, T, D] into ``slots`` (T of them)."""

@@ -41,13 +41,16 @@ def default_config(home: str | os.PathLike = DEFAULT_HOME, capacity: str = "1G")
                                                 "direct": odirect_supported(root)}]}}
 
 
-def build_engine(model: str, config: str | dict | None = None, *, seed: int = 0, cost=None):
+def build_engine(model: str, config: str | dict | None = None, *, seed: int = 0, cost=None,
+                 elastic_reserve: bool = False):
     """(engine, tokenizer) for ``model`` with the ``engine:`` (and optional ``pool:``) sections of ``config`` (a file,
-    or a mapping such as ``default_config()``)."""
+    or a mapping such as ``default_config()``); ``elastic_reserve`` turns engine.elastic_reserve on."""
     from kvflow import KVPool, Restorer, load_model
 
     data = config if isinstance(config, dict) else read_file(config) if config else {}
     engine_cfg = EngineConfig.load(data)
+    if elastic_reserve:
+        engine_cfg.elastic_reserve = True
     runner = load_model(model, seed=seed)
     tokenizer = load_tokenizer(model, runner.config.vocab_size)
     restorer = None
@@ -57,13 +60,13 @@ def build_engine(model: str, config: str | dict | None = None, *, seed: int = 0,
 
 
 def serve(model: str = DEFAULT_MODEL, config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, seed: int = 0, log_level: str = "info") -> None:
+          api_key: str | None = None, seed: int = 0, log_level: str = "info", elastic_reserve: bool = False) -> None:
     """Serve until SIGINT / SIGTERM; without ``config`` on the embedded defaults (pool under ./.kvflow/)."""
     import uvicorn
 
     from kvflow.server.app import build_app
 
-    engine, tokenizer = build_engine(model, config or default_config(), seed=seed)
+    engine, tokenizer = build_engine(model, config or default_config(), seed=seed, elastic_reserve=elastic_reserve)
     api_key = api_key or os.environ.get("KVFLOW_API_KEY") or None
     app = build_app(engine, model, tokenizer, api_key=api_key)
     log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens, pool %s)", model, host, port,

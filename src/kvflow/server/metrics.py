@@ -71,6 +71,24 @@ class _EngineCollector:
         yield counter("kvflow_preemptions", "sequences preempted for lack of blocks", st.preemptions)
         yield counter("kvflow_kv_block_evictions", "cached resident blocks reused for new data", e.blocks.evictions)
         yield counter("kvflow_engine_step_errors", "engine steps that raised", loop.step_errors if loop else 0)
+        el = e.elastic
+        if el is not None:                  # engine.elastic_reserve (engine/elastic.py)
+            es = el.stats
+            yield gauge("kvflow_elastic_reserve_blocks", "KV blocks the activation reserve lends", es.lent_blocks)
+            yield gauge("kvflow_elastic_lent_blocks", "reserve blocks lent to the block manager now",
+                        es.lent_blocks if el.lent else 0)
+            yield counter("kvflow_elastic_lends", "times the reserve was lent (decode-only phases)", es.lends)
+            yield counter("kvflow_elastic_takebacks", "times the reserve was taken back before a prefill", es.takebacks)
+            yield counter("kvflow_elastic_blocks_moved", "lent blocks copied to base blocks by take-backs",
+                          es.blocks_moved)
+            yield counter("kvflow_elastic_takeback_preemptions", "sequences preempted by take-backs", es.preempted)
+            yield counter("kvflow_elastic_takeback_failures", "take-backs that could not complete", es.failures)
+            yield counter("kvflow_elastic_failed_admissions", "requests not admitted: their take-back failed",
+                          es.failed_admissions)
+            yield gauge("kvflow_elastic_takeback_p50_seconds", "take-back latency, median of the last 4096",
+                        es.takeback_percentile(50))
+            yield gauge("kvflow_elastic_takeback_p99_seconds", "take-back latency, P99 of the last 4096",
+                        es.takeback_percentile(99))
         pool = e.pool
         c = pool.counters if pool is not None else {}
         yield counter("kvflow_pool_restores", "restorations from the pool", c.get("restores", 0))
