@@ -65,3 +65,9 @@ def test_where_nothing_can_be_measured_the_shape_formula_stands_in(tiny, monkeyp
         got = measure_activation_reserve(tiny, 96)
     assert got == reserve.formula_reserve(tiny, 96) > 0
     assert any("not measurable" in r.getMessage() for r in caplog.records)
+
+
+def test_an_elastic_engine_reports_the_blocks_its_reserve_lends(tiny):
+    m = LLMEngine(tiny, EngineConfig(kv_budget=2**20, elastic_reserve=True)).memory
+    assert 0 < m.elastic_blocks * m.block_bytes <= m.activation_reserve
+    assert m.total == m.weights + m.activation_reserve + m.kv_blocks and "elastic blocks" in m.line()

@@ -106,7 +106,7 @@ class LLMEngine:
         reserve = cfg.activation_reserve or measure_activation_reserve(
             runner, cfg.max_num_batched_tokens, max_model_len=self.max_model_len)
         self.memory = MemoryBudget(weight_bytes(runner), reserve, self.num_blocks * per_block, self.num_blocks,
-                                   cfg.block_size)
+                                   cfg.block_size, len(lent))
         log.info("%s", self.memory.line())
         self.pool = PoolTier(restorer, cfg.strategy, cfg.write_queue) if restorer is not None else None
         self._restorer = ThreadPoolExecutor(1, thread_name_prefix="kvflow-restore") if self.pool else None
