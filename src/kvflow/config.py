@@ -185,7 +185,8 @@ def check(cond: bool, message: str) -> None:
 ENV_VARS = ("KVFLOW_HOME", "KVFLOW_CONFIG", "KVFLOW_TORCH_THREADS", "KVFLOW_BENCH_DISK", "KVFLOW_TEST_THREADS")
 # Sections that take env overrides: name -> "module:Class" (imported only to list their fields).
 SECTIONS = {"pool": "kvflow.pool.config:PoolConfig", "planner": "kvflow.planner.strategies:PlannerConfig",
-            "executor": "kvflow.executor.config:ExecutorConfig"}
+            "executor": "kvflow.executor.config:ExecutorConfig",
+            "connector": "kvflow.integrations.vllm:ConnectorConfig"}
 
 
 def env_int(name: str, lo: int, hi: int, env: Mapping[str, str] | None = None) -> int | None:
