@@ -14,17 +14,13 @@ whole number of chunks whose KV is written into blocks position by position.
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
 from collections import Counter
 
 import torch
 
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.model.runner import parse_dtype
-
-log = logging.getLogger("kvflow.engine")
+from kvflow.pool.write_queue import WriteQueue
 
 
 class PoolTier:
@@ -33,16 +29,13 @@ class PoolTier:
         self.chunk_tokens = restorer.chunk_tokens
         self.num_layers = restorer.runner.num_layers
         self._dtype = {"dtype": parse_dtype(restorer.storage_dtype)} if restorer.storage_dtype else {}
-        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self.counters = Counter(lookups=0, restores=0, restore_errors=0, restored_tokens=0, writes_queued=0,
-                                writes_dropped=0, records_dropped=0, records_written=0, write_errors=0)
+        self.counters = Counter(lookups=0, restores=0, restore_errors=0, restored_tokens=0)
+        self.writes = WriteQueue(lambda items: self.pool.put_many(items, **self._dtype), queue_size, self.counters)
+        self.queue = self.writes.queue                # its depth is a /metrics gauge
         self.loaded_tokens: Counter = Counter()       # per strategy: context tokens loaded (token x layer / L)
         self.recomputed_tokens: Counter = Counter()   # ... and recomputed
         self.restore_s = 0.0
         self.blocked_io_s = 0.0
-        self._writer = threading.Thread(target=self._write_loop, name="kvflow-pool-writer", daemon=True)
-        self._writer.start()
-        self._closed = False
 
     # ------------------------------------------------------------------------------------ reading
     def lookup(self, token_ids: list[int]) -> int:
@@ -75,45 +68,20 @@ class PoolTier:
     def store(self, token_ids: list[int], num_computed: int, cache: PagedKVCache, block_table: list[int]) -> None:
         """Queue the full chunks of positions [0, num_computed) that the pool does not hold yet."""
         n = num_computed // self.chunk_tokens * self.chunk_tokens
-        if n == 0 or self._closed:
+        if n == 0 or self.writes.closed:
             return
         keys = [k for row in self.restorer.keys(torch.as_tensor(token_ids[:n], dtype=torch.long)) for k in row]
         missing = [k for k, ok in zip(keys, self.pool.contains(keys)) if not ok]
         if not missing:
             return
-        if self.queue.full():
-            self.counters["writes_dropped"] += 1
-            self.counters["records_dropped"] += len(missing)
+        if self.writes.full():              # do not copy records out of the blocks for a write that is dropped
+            self.writes.drop(len(missing))
             return
-        items = {k: cache.read_block(block_table, k.tokens, k.layers) for k in missing}
-        try:
-            self.queue.put_nowait(items)
-            self.counters["writes_queued"] += 1
-        except queue.Full:
-            self.counters["writes_dropped"] += 1
-            self.counters["records_dropped"] += len(missing)
-
-    def _write_loop(self) -> None:
-        while True:
-            items = self.queue.get()
-            try:
-                if items is None:
-                    return
-                self.counters["records_written"] += self.pool.put_many(items, **self._dtype)
-            except Exception as err:   # a failed write is a miss later, never an engine failure
-                self.counters["write_errors"] += 1
-                log.warning("pool write failed: %s", err)
-            finally:
-                self.queue.task_done()
+        self.writes.offer({k: cache.read_block(block_table, k.tokens, k.layers) for k in missing})
 
     def flush(self) -> None:
         """Wait until every queued write is done."""
-        self.queue.join()
+        self.writes.flush()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.flush()
-        self.queue.put(None)
-        self._writer.join(timeout=30)
+        self.writes.close()

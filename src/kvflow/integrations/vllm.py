@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import re
 import threading
 import time
@@ -44,6 +43,7 @@ from kvflow.config import check, load_section
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.integrations.paged import PagedLayout, check_alignment, from_record, slot_mapping, to_record
 from kvflow.pool.config import PoolConfig
+from kvflow.pool.write_queue import WriteQueue
 
 try:   # vLLM is optional: without it the connector class below is a plain object nothing instantiates
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
@@ -320,12 +320,8 @@ class WorkerSide:
         self._fingerprint = ""
         self._failed: dict[str, int] = {}         # req_id -> first chunk (list index) that failed this step
         self._errors: set[int] = set()
-        self.counters = Counter(loaded_tokens=0, load_misses=0, records_queued=0, records_written=0,
-                                writes_dropped=0, write_errors=0)
-        self.queue: queue.Queue = queue.Queue(maxsize=cfg.write_queue)
-        self._writer = threading.Thread(target=self._write_loop, name="kvflow-vllm-writer", daemon=True)
-        self._writer.start()
-        self._closed = False
+        self.counters = Counter(loaded_tokens=0, load_misses=0, records_queued=0)
+        self.writes = WriteQueue(self._write, cfg.write_queue, self.counters, name="kvflow-vllm-writer")
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         by_index = sorted((layer_index(n), n) for n in kv_caches)
@@ -412,7 +408,7 @@ class WorkerSide:
     # -- saving ----------------------------------------------------------------------------------------------
     def save(self, meta: KVFlowMetadata) -> None:
         """Copy the chunks of ``meta.saves`` out of the blocks (this step's KV is complete) and queue them."""
-        if not meta.saves or self._closed:
+        if not meta.saves or self.writes.closed:
             return
         self._fingerprint = meta.fingerprint
         per = self.chunk // self.block_size
@@ -433,37 +429,21 @@ class WorkerSide:
                     items[keys[j][layer]] = to_record(k[:, part], v[:, part])
         if not items:
             return
-        try:
-            self.queue.put_nowait(items)
+        if self.writes.offer(items):
             self.counters["records_queued"] += len(items)
-        except queue.Full:
-            self.counters["writes_dropped"] += len(items)
 
-    def _write_loop(self) -> None:
-        while True:
-            items = self.queue.get()
-            try:
-                if items is None:
-                    return
-                fresh = {k: t for k, t, ok in zip(items, items.values(), self.pool.contains(items)) if not ok}
-                if fresh:
-                    self.counters["records_written"] += self.pool.put_many(fresh)
-            except Exception as err:     # a failed write is a miss later, never a failed request
-                self.counters["write_errors"] += 1
-                log.warning("kvflow pool write failed: %s", err)
-            finally:
-                self.queue.task_done()
+    def _write(self, items: dict) -> int:
+        """On the writer thread: store the records the pool does not hold yet (another engine may have)."""
+        fresh = {k: t for k, t, ok in zip(items, items.values(), self.pool.contains(items)) if not ok}
+        return self.pool.put_many(fresh) if fresh else 0
 
     def flush(self) -> None:
-        self.queue.join()
+        self.writes.flush()
 
     def close(self) -> None:
-        if self._closed:
+        if self.writes.closed:
             return
-        self._closed = True
-        self.flush()
-        self.queue.put(None)
-        self._writer.join(timeout=30)
+        self.writes.close()
         self._io.shutdown(wait=True)
 
 
