@@ -61,12 +61,12 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
     tc, tio, ci, ii = min((j.start_s for j in jobs), default=0.0), 0.0, 0, 0
     waiting = list(query_order)
 
-    def share(r: int, tc: float, tio: float) -> tuple[float, float]:
-        """Cell meet: the last unclaimed chunk of request r, layer by layer from both ends."""
+    def share(r: int, tc: float, tio: float, joins: bool) -> tuple[float, float]:
+        """Cell meet: the last unclaimed chunk of request r, layer by layer from both ends (``joins``: the I/O side
+        takes part — false when its next load is another request's, in a batch)."""
         plan, s = jobs[r].plan, lo[r]
         layer = cost.step_time((s * plan.chunk_tokens, (s + 1) * plan.chunk_tokens), 1)
         low, high = 0, plan.num_layers
-        joins = ii < len(io_order) and io_order[ii][0] == r     # the I/O side is elsewhere in a batch: not now
         while low < high:
             if tc <= tio or not joins:
                 tc, low = tc + layer, low + 1
@@ -125,14 +125,14 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
                 dt = cost.step_time((a, b), step.layers[1] - step.layers[0])
                 tc, busy_c[r], lo[r], c_end[r] = tc + dt, busy_c[r] + dt, b // C, tc + dt
             if last_one(r):
-                tc, tio = share(r, max(tc, job.start_s), tio)
+                tc, tio = share(r, max(tc, job.start_s), tio, ii < len(io_order) and io_order[ii][0] == r)
             tc = serve(tc, False)
         else:
             r, step = io_order[ii]
             ii += 1
             c0 = step.chunks[0]
             if last_one(r) and c0 == lo[r]:
-                tc, tio = share(r, tc, tio)
+                tc, tio = share(r, tc, tio, True)
                 tc = serve(tc, False)
             elif lo[r] <= c0 < hi[r]:
                 dt = read_s((step.chunks[1] - c0) * (step.layers[1] - step.layers[0]))
