@@ -24,6 +24,7 @@ import torch
 
 from kvflow.chunks.keys import chunk_keys, layer_groups
 from kvflow.integrations.vllm_server import VLLMServer, connector_config, vllm_python
+from tests.pool.helpers import flip_byte
 
 PY = vllm_python()
 pytestmark = [pytest.mark.slow,
@@ -98,12 +99,7 @@ class Pool:
 
 
 def flip(path: str, pos: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x40]))
-        os.fsync(f.fileno())
+    flip_byte(path, pos, 0x40, sync=True)
 
 
 def kv_error(pool: Pool, tokens) -> float:

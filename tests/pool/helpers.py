@@ -44,3 +44,14 @@ def device_cfg(tmp_path, kind: str, capacity: int = 8 << 20, **extra) -> dict:
         return {"type": "extent", "path": str(tmp_path / "disk.img"), "capacity": capacity,
                 "direct": odirect_supported(tmp_path), **extra}
     return {"type": "files", "path": str(tmp_path / "files"), "capacity": capacity, **extra}
+
+
+def flip_byte(path, pos: int, mask: int = 0x40, sync: bool = False) -> None:
+    """Damage one byte of a file in place (XOR ``mask``), fsynced with ``sync`` (a device read with O_DIRECT)."""
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ mask]))
+        if sync:
+            os.fsync(f.fileno())

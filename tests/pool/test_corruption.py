@@ -11,7 +11,7 @@ import torch
 from kvflow.chunks.keys import ChunkKey
 from kvflow.pool import KVPool
 
-from .helpers import context_keys, device_cfg, tensor_for
+from .helpers import context_keys, device_cfg, flip_byte, tensor_for
 
 SB = 4096  # file-backed devices start their data after a 4 KiB superblock
 
@@ -29,11 +29,7 @@ def stored_pool(tmp_path, kind, n=8):
 
 
 def flip(path, pos):
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x40]))
+    flip_byte(path, pos, 0x40)
 
 
 @pytest.mark.parametrize("kind", ["memory", "extent", "files"])

@@ -13,7 +13,7 @@ from kvflow.cli.main import main
 from kvflow.pool import KVPool
 from kvflow.pool.recovery import scan_device
 
-from .helpers import context_keys, tensor_for
+from .helpers import context_keys, flip_byte, tensor_for
 
 
 def make_pool(tmp_path, n=24) -> tuple[dict, list]:
@@ -45,9 +45,7 @@ def served_intact(cfg, keys) -> int:
 
 
 def flip(path, pos):
-    data = bytearray(path.read_bytes())
-    data[pos] ^= 0x10
-    path.write_bytes(bytes(data))
+    flip_byte(path, pos, 0x10)
 
 
 @pytest.mark.parametrize("damage", ["checkpoint", "log-entry", "manifest", "index-folder"])

@@ -49,6 +49,7 @@ import torch
 from kvflow.errors import KVFlowError
 from kvflow.pool import KVPool
 
+from tests.pool.helpers import flip_byte
 from tests.reliability import writer
 from tests.reliability.writer import BATCH, batch_keys, last_sync, parse_acks, record_for
 
@@ -344,11 +345,7 @@ def _built_pool(root: Path, batches: int = 15) -> tuple[dict, list[tuple]]:
 
 
 def _flip(path: Path, pos: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(pos)
-        b = f.read(1)
-        f.seek(pos)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(path, pos, 0x10)
 
 
 def _zero(path: Path, pos: int, n: int) -> None:
