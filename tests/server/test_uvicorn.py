@@ -67,7 +67,7 @@ def test_openai_client_against_uvicorn_then_shutdown_flushes_pool_writes(tiny):
         thread.join(timeout=60)
     assert not thread.is_alive()
     assert engine.pool.counters["records_written"] >= 2 * tiny.num_layers    # 37 computed tokens: 2 chunks
-    assert engine.pool.queue.qsize() == 0
+    assert engine.pool.writes.pending() == 0
 
 
 def test_kvflow_serve_starts_answers_and_stops_on_sigint(tmp_path):

@@ -31,7 +31,6 @@ class PoolTier:
         self._dtype = {"dtype": parse_dtype(restorer.storage_dtype)} if restorer.storage_dtype else {}
         self.counters = Counter(lookups=0, restores=0, restore_errors=0, restored_tokens=0)
         self.writes = WriteQueue(lambda items: self.pool.put_many(items, **self._dtype), queue_size, self.counters)
-        self.queue = self.writes.queue                # its depth is a /metrics gauge
         self.loaded_tokens: Counter = Counter()       # per strategy: context tokens loaded (token x layer / L)
         self.recomputed_tokens: Counter = Counter()   # ... and recomputed
         self.restore_s = 0.0

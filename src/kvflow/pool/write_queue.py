@@ -32,6 +32,10 @@ class WriteQueue:
     def full(self) -> bool:
         return self.queue.full()
 
+    def pending(self) -> int:
+        """Writes queued, not yet taken by the writer."""
+        return self.queue.qsize()
+
     def offer(self, items: dict) -> bool:
         """Queue one write of ``items`` (key -> tensor); False (counted) when the queue is full or closed."""
         if not self.closed:

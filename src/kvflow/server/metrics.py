@@ -98,7 +98,7 @@ class _EngineCollector:
         yield counter("kvflow_pool_records_dropped", "records in dropped pool writes", c.get("records_dropped", 0))
         yield counter("kvflow_pool_records_written", "records the writer stored", c.get("records_written", 0))
         yield counter("kvflow_pool_write_errors", "pool writes that failed", c.get("write_errors", 0))
-        yield gauge("kvflow_pool_write_queue", "pool writes waiting", pool.queue.qsize() if pool else 0)
+        yield gauge("kvflow_pool_write_queue", "pool writes waiting", pool.writes.pending() if pool else 0)
         yield counter("kvflow_pool_restore_seconds", "seconds spent restoring", pool.restore_s if pool else 0.0)
         yield counter("kvflow_pool_blocked_io_seconds", "seconds compute waited for pool reads",
                       pool.blocked_io_s if pool else 0.0)
