@@ -80,8 +80,10 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
         lo[r] = hi[r] = s + 1 if high == plan.num_layers else s    # recomputed: only if the I/O side got no layer
         return tc, tio
 
+    sharing = [j.cell_meet and j.plan.cell_meet for j in jobs]     # the cell meet applies to this job
+
     def last_one(r: int) -> bool:
-        return jobs[r].cell_meet and jobs[r].plan.cell_meet and hi[r] - lo[r] == 1 and lo[r] < limit[r]
+        return sharing[r] and hi[r] - lo[r] == 1 and lo[r] < limit[r]
 
     def serve(now: float, final: bool) -> float:
         for r in list(waiting):
@@ -102,7 +104,7 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
             left[r] -= 1
             job, C = jobs[r], jobs[r].plan.chunk_tokens
             a, b = max(step.tokens[0], lo[r] * C), min(step.tokens[1], hi[r] * C, limit[r] * C)
-            if job.plan.cell_meet:
+            if sharing[r]:
                 b = min(b, (hi[r] - 1) * C)
             if b > a and a // C == lo[r]:
                 tc = max(tc, job.start_s)
