@@ -16,10 +16,12 @@ import fcntl
 import os
 import struct
 import time
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 import xxhash
 
@@ -39,6 +41,17 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip:skip + nbytes]
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[:] = src`` for uint8 tensors, on the calling thread only (numpy's copy: one thread, GIL released).
+
+    Pool I/O runs on worker threads beside the engine's compute; a torch ``copy_`` of more than 32K elements from
+    such a thread starts its own OpenMP team, whose threads spin on the cores the compute threads use. Inside
+    vLLM's worker (compute threads pinned to the cores) that slowed the forward the loads overlap by ~50%."""
+    with warnings.catch_warnings():          # a read-only mapping's tensor: numpy only reads from it
+        warnings.simplefilter("ignore", UserWarning)
+        np.copyto(dst.numpy(), src.numpy())
 
 
 def padded(nbytes: int) -> int:

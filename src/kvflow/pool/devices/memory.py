@@ -11,8 +11,8 @@ import warnings
 import torch
 
 from kvflow.errors import ConfigError
-from kvflow.pool.devices.base import (SUPERBLOCK, Device, aligned_empty, file_size, not_a_device, pack_superblock,
-                                      parse_superblock)
+from kvflow.pool.devices.base import (SUPERBLOCK, Device, aligned_empty, copy_bytes, file_size, not_a_device,
+                                      pack_superblock, parse_superblock)
 
 
 class MemoryDevice(Device):
@@ -60,13 +60,13 @@ class MemoryDevice(Device):
 
     def commit(self, offset: int, buf: torch.Tensor) -> None:
         if buf.data_ptr() != self._mem[offset:].data_ptr():
-            self._mem[offset:offset + buf.numel()].copy_(buf)
+            copy_bytes(self._mem[offset:offset + buf.numel()], buf)
 
     def read(self, offset: int, length: int) -> torch.Tensor:
         if offset + length > self.capacity:
             raise OSError(f"{self.name}: read past the end of the device")
         out = aligned_empty(length)
-        out.copy_(self._mem[offset:offset + length])  # torch copy releases the GIL: compute threads keep running
+        copy_bytes(out, self._mem[offset:offset + length])   # releases the GIL, starts no OpenMP team
         return out
 
     def sync(self) -> None:
