@@ -64,7 +64,7 @@ def _wait_stored(config: Path, runner, tokens: list[int], chunk: int, timeout: f
 
 
 def run(model: str = "qwen2.5-0.5b@layers=4", lengths=(4096, 8192), repeats: int = 3, disk_dir: Path | None = None,
-        block: int = 128, chunk: int = 256, cpus: str = "0-1", log=print) -> dict:
+        block: int = 128, chunk: int = 128, cpus: str = "0-1", log=print) -> dict:
     from kvflow import load_model
     from kvflow.bench.common import odirect_supported
 

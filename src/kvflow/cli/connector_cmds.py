@@ -20,6 +20,13 @@ def bench_connector(model: str = typer.Option("qwen2.5-0.5b@layers=4", help="pre
                                                                        "ExampleConnector's files (default "
                                                                        "$KVFLOW_BENCH_DISK or /var/tmp)"),
                     cpus: str = typer.Option("0-1", help="VLLM_CPU_OMP_THREADS_BIND of every server"),
+                    block_size: int = typer.Option(128, help="vLLM's --block-size in every server (a multiple of "
+                                                            "32 on CPU; vLLM computes the prompt's last partial "
+                                                            "block, at least one token, whatever a connector holds)"),
+                    chunk_tokens: Optional[int] = typer.Option(None, help="pool chunk (a multiple of the block "
+                                                                         "size; default: the block size, so the "
+                                                                         "connector matches what "
+                                                                         "ExampleConnector matches)"),
                     as_json: bool = typer.Option(False, "--json", help="print the results as JSON instead of a table"),
                     out: Optional[Path] = typer.Option(None, help="output folder (default runs/connector-<time>/)")) -> None:
     """vLLM with the kvflow connector (pool on disk; striped memory + disk) vs vLLM recomputing vs vLLM's
@@ -33,10 +40,15 @@ def bench_connector(model: str = typer.Option("qwen2.5-0.5b@layers=4", help="pre
         raise ConfigError(f"--lengths: expected comma-separated integers, got {lengths!r}") from None
     if not sizes or any(not 512 <= n <= 131072 for n in sizes):
         raise ConfigError(f"--lengths: each must be 512..131072 tokens, got {lengths!r}")
+    chunk = block_size if chunk_tokens is None else chunk_tokens
+    if block_size < 32 or block_size % 32 or block_size > 1024:
+        raise ConfigError(f"--block-size: vLLM's CPU backend takes a multiple of 32 up to 1024, got {block_size}")
+    if chunk < block_size or chunk % block_size:
+        raise ConfigError(f"--chunk-tokens: must be a multiple of --block-size ({block_size}), got {chunk}")
     if disk_dir is not None and not disk_dir.is_dir():
         raise ConfigError(f"--disk-dir {disk_dir} is not a folder")
     folder = out_dir("connector", out)
-    results = connector_bench.run(model, sizes, repeats, disk_dir, cpus=cpus,
+    results = connector_bench.run(model, sizes, repeats, disk_dir, block=block_size, chunk=chunk, cpus=cpus,
                                   log=lambda line: None if as_json else print(line, flush=True))
     connector_bench.draw(results, folder / "connector.png")
     rows = [{k: r[k] for k in ("tokens", "config", "ttft_s", "vs_recompute", "vs_example")} for r in results["rows"]]

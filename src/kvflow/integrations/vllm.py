@@ -41,7 +41,7 @@ import torch
 from kvflow.chunks.keys import layer_groups, prefix_hashes, record_key
 from kvflow.config import check, load_section
 from kvflow.errors import ConfigError, KVFlowError
-from kvflow.integrations.paged import PagedLayout, check_alignment, from_record, slot_mapping, to_record
+from kvflow.integrations.paged import PagedLayout, check_alignment, slot_mapping, to_record
 from kvflow.pool.config import PoolConfig
 from kvflow.pool.write_queue import WriteQueue
 
@@ -316,6 +316,8 @@ class WorkerSide:
         self.names: dict[str, int] = {}
         self._io = ThreadPoolExecutor(cfg.load_threads, thread_name_prefix="kvflow-load")
         self._inflight: dict[int, Future] = {}
+        self._issued, self._phase = 0.0, Counter()   # the current load: when its reads went out, seconds per phase
+        self._slots: dict[str, torch.Tensor] = {}    # req_id -> slots of its load's positions [start, end)
         self._loads: list[LoadSpec] = []
         self._fingerprint = ""
         self._failed: dict[str, int] = {}         # req_id -> first chunk (list index) that failed this step
@@ -351,6 +353,9 @@ class WorkerSide:
         if not self._loads:
             return
         self._issued = time.perf_counter()
+        self._phase = Counter()
+        self._slots = {spec.req_id: slot_mapping(spec.block_ids, spec.start, spec.end, self.block_size)
+                       for spec in self._loads}     # the same for every layer
         for layer in range(self.num_layers):
             keys = [self._key(h, i, layer) for spec in self._loads for i, h in spec.chunks]
             self._inflight[layer] = self._io.submit(self.pool.get_many, keys)
@@ -364,36 +369,44 @@ class WorkerSide:
         got = fut.result()
         t1 = time.perf_counter()
         self.counters["load_blocked_s"] += t1 - t0
+        self._phase["blocked"] += t1 - t0
         shape = (1, 2, self.heads, self.chunk, self.head_dim)
         ks, vs, slots = [], [], []
         for spec in self._loads:
             prior = self._failed.get(spec.req_id, len(spec.chunks))
-            first_bad = prior
-            for j, (i, h) in enumerate(spec.chunks[:prior]):
+            recs = []
+            for i, h in spec.chunks[:prior]:
                 rec = got.get(self._key(h, i, layer))
                 if rec is None or tuple(rec.shape) != shape:
                     if rec is not None:
                         log.warning("kvflow record of shape %s, expected %s: a miss", tuple(rec.shape), shape)
-                    first_bad = j
                     break
-                a, b = max(spec.start, i * self.chunk), min(spec.end, (i + 1) * self.chunk)
-                k, v = from_record(rec)
-                ks.append(k[a - i * self.chunk:b - i * self.chunk])
-                vs.append(v[a - i * self.chunk:b - i * self.chunk])
-                slots.append(slot_mapping(spec.block_ids, a, b, self.block_size))
-            if first_bad < prior:          # never written from here on; vLLM recomputes these blocks
+                recs.append(rec)
+            if len(recs) < prior:          # never written from here on; vLLM recomputes these blocks
                 self.counters["load_misses"] += prior == len(spec.chunks)
-                self._failed[spec.req_id] = first_bad
-                bad_from = max(spec.start, spec.chunks[first_bad][0] * self.chunk) // self.block_size
+                self._failed[spec.req_id] = len(recs)
+                bad_from = max(spec.start, spec.chunks[len(recs)][0] * self.chunk) // self.block_size
                 self._errors.update(spec.block_ids[bad_from:])
+            if not recs:
+                continue
+            # the valid chunks' positions [spec.start, stop), all at once: one cat per layer, not one op per chunk
+            first = spec.chunks[0][0] * self.chunk
+            stop = min(spec.end, first + len(recs) * self.chunk)
+            kv = torch.cat(recs, dim=3)[0, :, :, spec.start - first:stop - first]       # [2, H, T, D]
+            ks.append(kv[0].transpose(0, 1))
+            vs.append(kv[1].transpose(0, 1))
+            slots.append(self._slots[spec.req_id][:stop - spec.start])
         if slots:
             self.layout(layer).write(self.caches[layer], torch.cat(slots), torch.cat(ks), torch.cat(vs))
         self.counters["load_write_s"] += time.perf_counter() - t1
+        self._phase["write"] += time.perf_counter() - t1
         if layer == self.num_layers - 1:
             tokens = sum(spec.end - spec.start for spec in self._loads if spec.req_id not in self._failed)
             self.counters["loaded_tokens"] += tokens
-            log.info("kvflow: loaded %d tokens of %d requests (%d failed) in %.3f s since the reads were issued",
-                     tokens, len(self._loads), len(self._failed), time.perf_counter() - self._issued)
+            log.info("kvflow: loaded %d tokens of %d requests (%d failed): %.3f s from issuing the reads to the last "
+                     "layer written, of which %.3f s waiting for reads and %.3f s verifying and writing (the rest "
+                     "is vLLM computing the layers in between)", tokens, len(self._loads), len(self._failed),
+                     time.perf_counter() - self._issued, self._phase["blocked"], self._phase["write"])
 
     def finish_loads(self) -> None:
         """Layers vLLM never waited for (none in a normal step): load them now so no read outlives the step."""
