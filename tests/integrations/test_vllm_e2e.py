@@ -11,8 +11,9 @@ chunked prefill (512-token steps) and vLLM's local prefix cache off, so every hi
 * negative controls: a record corrupted on disk is a miss — recomputed, output unchanged, stored again; a
   deliberately wrong block layout stores wrong records and changes the output.
 
-Servers run in their own process group and are always killed. Skipped without ``.venv-vllm`` (``make vllm-kvflow``)
-and unless ``KVFLOW_TEST_VLLM=1`` (it is not part of ``make test`` yet: 6-20 minutes on a 2-vCPU machine).
+Servers run in their own process group and are always killed. ``make test`` builds ``.venv-vllm`` and runs this
+with ``KVFLOW_TEST_VLLM=1`` (6-20 minutes on a 2-vCPU machine); a bare ``pytest`` skips it unless that is set, and
+without ``.venv-vllm`` (``make vllm-kvflow``) it skips and says so.
 """
 
 import os
