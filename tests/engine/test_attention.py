@@ -7,6 +7,7 @@ import torch
 
 from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
 from kvflow.engine.attention import Segment, packed_attention, segment_mask
+from kvflow.engine.paged_cache import PagedKVCache
 from tests.engine.helpers import ids
 
 MODULE = types.SimpleNamespace(layer_idx=0, num_key_value_groups=4, is_causal=True, training=False)
@@ -28,9 +29,11 @@ def test_without_segments_it_is_transformers_sdpa():
 
 def test_each_segment_attends_only_to_its_own_keys():
     q, k, v = qkv(4, 9)                  # A: positions 3..5 over keys 0..5; B: position 2 over keys 0..2
-    segs = [Segment(0, 3, 0, 6, {None: segment_mask(3, 3, None)}),
-            Segment(3, 4, 6, 9, {None: segment_mask(2, 1, None)})]
-    out, _ = packed_attention(MODULE, q, k, v, None, scaling=0.25, kvflow_segments=segs, kvflow_windows=[None])
+    cache = PagedKVCache(1, 9, 1, 2, 16)  # one layer, blocks of one token: A's keys in slots 0..5, B's in 6..8
+    cache.write(0, torch.arange(9), k, v)
+    segs = [Segment(0, 3, 3, torch.arange(0, 6)), Segment(3, 4, 2, torch.arange(6, 9))]
+    out, _ = packed_attention(MODULE, q, k[:, :, 3:6], v[:, :, 3:6], None, scaling=0.25, kvflow_segments=segs,
+                              kvflow_windows=[None], kvflow_cache=cache)
     k_rep, v_rep = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
     mask_a = torch.arange(6).view(1, -1) <= torch.arange(3, 6).view(-1, 1)
     a = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], k_rep[:, :, :6], v_rep[:, :, :6],
@@ -49,3 +52,44 @@ def test_the_model_keeps_its_attention_implementation_after_a_step(tiny):
     before = tiny.hf_model.config._attn_implementation
     LLMEngine(tiny, EngineConfig(kv_budget=1 << 20)).generate([ids(9, 1), ids(4, 2)], SamplingParams(max_tokens=2))
     assert tiny.hf_model.config._attn_implementation == before
+
+
+def test_a_step_holds_one_sequences_gathered_kv_at_a_time(tiny, monkeypatch):
+    """Packed attention gathers each sequence's keys just before its SDPA and frees them after: a step batching
+    many long decodes never holds more than the longest one's K/V of one layer (what bounds the reserve)."""
+    import weakref
+
+    live, peak, sizes = [0], [0], []
+    original = PagedKVCache.gather
+
+    def gather(self, layer, slots):
+        k, v = original(self, layer, slots)
+        n = k.numel() + v.numel()
+        sizes.append(n)
+        live[0] += n
+        peak[0] = max(peak[0], live[0])
+        for t in (k, v):                # the callback must not hold the tensor
+            weakref.finalize(t, lambda half=n // 2: live.__setitem__(0, live[0] - half))
+        return k, v
+
+    monkeypatch.setattr(PagedKVCache, "gather", gather)
+    engine = LLMEngine(tiny, EngineConfig(kv_budget=8 << 20, max_num_batched_tokens=2048))
+    engine.generate([ids(300 + 40 * i, i) for i in range(6)], SamplingParams(max_tokens=3))
+    assert len(sizes) > 6 * tiny.num_layers and peak[0] <= max(sizes)
+
+
+def test_a_long_chunk_runs_in_row_blocks_with_the_same_result(monkeypatch):
+    """A chunk's rows go to SDPA in blocks bounded by MASK_ELEMENTS; each row's softmax is its own, so the output is
+    the one-call output."""
+    from kvflow.engine import attention
+    q, k, v = qkv(40, 100)                 # 40 queries at positions 60..99 over keys 0..99
+    cache = PagedKVCache(1, 100, 1, 2, 16)
+    cache.write(0, torch.arange(100), k, v)
+    segs = [Segment(0, 40, 60, torch.arange(100))]
+    whole, _ = packed_attention(MODULE, q, k, v, None, scaling=0.25, kvflow_segments=segs, kvflow_windows=[None],
+                                kvflow_cache=cache)
+    monkeypatch.setattr(attention, "MASK_ELEMENTS", 700)     # 7 rows of 100 keys per call
+    assert len(attention.row_blocks(60, 40)) == 6
+    blocks, _ = packed_attention(MODULE, q, k, v, None, scaling=0.25, kvflow_segments=segs, kvflow_windows=[None],
+                                 kvflow_cache=cache)
+    assert torch.allclose(whole, blocks, atol=1e-6)

@@ -4,12 +4,15 @@ The step's tokens are packed into one row (model_runner.py); the decoder layers 
 masked SDPA over the packed row would compute every query against every sequence's keys and throw most of it
 away (a 512-token prefill chunk next to 7 decodes at 1.5K context would do 8x the attention it needs). So during
 a step the model's attention implementation is switched to ``kvflow_packed``, registered with transformers'
-AttentionInterface: it runs SDPA once per sequence on that sequence's slice of the queries and of the gathered
-keys. Without the step's ``kvflow_segments`` argument it is transformers' own ``sdpa`` (same function, same
-arguments), so anything else that calls the model in the meantime gets exactly what it would have.
+AttentionInterface: it runs SDPA once per sequence on that sequence's slice of the queries and that sequence's
+keys, gathered from the paged cache just before (and freed just after): a step never holds more than one
+sequence's gathered K/V of one layer, however many sequences it batches — which is what bounds the activation
+reserve (reserve.py) by the longest sequence, not by the batch. Without the step's ``kvflow_segments`` argument it
+is transformers' own ``sdpa`` (same function, same arguments), so anything else that calls the model in the
+meantime gets exactly what it would have.
 
     query  [1, Hq, T_step, D]    segment s: rows   [q0, q1)   positions [start, start + n)
-    key    [1, Hkv, K_step, D]   segment s: keys   [k0, k1)   positions [0, start + n)
+    cache  PagedKVCache          segment s: slots  ``read``   positions [0, start + n)
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ from transformers.modeling_utils import AttentionInterface
 NAME = "kvflow_packed"
 
 
+MASK_ELEMENTS = 1 << 20      # queries x keys of one masked SDPA call at most: a long chunk runs in blocks of rows
+MASK_CACHE_BYTES = 8 << 20   # masks kept for the step's other layers up to this many bytes (beyond: rebuilt)
+
+
 @dataclass(slots=True)
 class Segment:
     q0: int
     q1: int
-    k0: int
-    k1: int
-    masks: dict          # window (None: full attention) -> bool mask [n, start + n], or None for plain causal / one row
+    start: int           # position of the sequence's first query (its rows are positions start .. start + n - 1)
+    read: torch.Tensor   # cache slots of the sequence's positions [0, start + n) (the step's own K/V written first)
 
 
 def segment_mask(start: int, n: int, window: int | None) -> torch.Tensor | None:
@@ -47,20 +53,55 @@ def segment_mask(start: int, n: int, window: int | None) -> torch.Tensor | None:
     return allowed
 
 
+def row_blocks(start: int, n: int, window: int | None = None) -> list[tuple[int, int]]:
+    """Rows [r0, r1) of a segment per SDPA call. A prefill from position 0 without a window is one causal call (no
+    mask); a chunk that needs a mask goes in blocks of at most MASK_ELEMENTS queries x keys, so its mask stays
+    bounded however long its context (each row's softmax is its own: the result is the same)."""
+    if start == 0 and window is None:
+        return [(0, n)]
+    rows = max(1, MASK_ELEMENTS // (start + n))
+    return [(r0, min(n, r0 + rows)) for r0 in range(0, n, rows)]
+
+
+class StepMasks:
+    """One step's masks, built by its first layer and reused by the others (kept up to MASK_CACHE_BYTES)."""
+
+    def __init__(self) -> None:
+        self._masks: dict[tuple, torch.Tensor] = {}
+        self._bytes = 0
+
+    def get(self, key: tuple, start: int, n: int, window: int | None) -> torch.Tensor | None:
+        if key in self._masks:
+            return self._masks[key]
+        mask = segment_mask(start, n, window)
+        if mask is not None and self._bytes + mask.numel() <= MASK_CACHE_BYTES:
+            self._masks[key], self._bytes = mask, self._bytes + mask.numel()
+        return mask
+
+
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                     kvflow_segments: list[Segment] | None = None, kvflow_windows=None, **kwargs):
+                     kvflow_segments: list[Segment] | None = None, kvflow_windows=None, kvflow_cache=None,
+                     kvflow_masks: StepMasks | None = None, **kwargs):
+    """With ``kvflow_segments``: ``key``/``value`` are only the step's new K/V (already written to ``kvflow_cache``);
+    each segment's keys are gathered from the cache. ``kvflow_masks``: the step's masks, shared by its layers."""
     if kvflow_segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    window = kvflow_windows[module.layer_idx]
-    gqa = query.shape[1] != key.shape[1]
+    layer = module.layer_idx
+    window = kvflow_windows[layer]
+    gqa = query.shape[1] != kvflow_cache.kv_heads
+    masks = StepMasks() if kvflow_masks is None else kvflow_masks
     outs = []
-    for s in kvflow_segments:
-        mask = s.masks[window]
-        causal = mask is None and s.q1 - s.q0 > 1
-        outs.append(F.scaled_dot_product_attention(query[:, :, s.q0:s.q1], key[:, :, s.k0:s.k1],
-                                                   value[:, :, s.k0:s.k1], attn_mask=mask, is_causal=causal,
-                                                   scale=scaling, enable_gqa=gqa))
+    for i, s in enumerate(kvflow_segments):
+        k, v = kvflow_cache.gather(layer, s.read)
+        for r0, r1 in row_blocks(s.start, s.q1 - s.q0, window):
+            end = s.start + r1                       # keys [0, end) are the ones these rows may see
+            mask = masks.get((i, r0, window), s.start + r0, r1 - r0, window)
+            causal = mask is None and r1 - r0 > 1
+            outs.append(F.scaled_dot_product_attention(query[:, :, s.q0 + r0:s.q0 + r1], k[:, :, :end], v[:, :, :end],
+                                                       attn_mask=mask, is_causal=causal, scale=scaling,
+                                                       enable_gqa=gqa))
+        del k, v                          # freed before the next segment's gather
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -2,12 +2,12 @@
 pass of the model's own decoder layers over the paged KV.
 
 The step's tokens are packed into one row [1, T_step, hidden] (no padding). Each layer's cache ``update`` writes the
-new K/V into their slots and returns the gathered K/V of all the step's sequences [1, H, K_step, D]; attention
-(attention.py) then runs per sequence on its own slice, so token q of sequence s attends exactly to positions <= q
-of s, as in its own full prefill:
+new K/V into their slots; attention (attention.py) then runs per sequence, on its rows of the queries and on its
+own keys gathered from the cache one sequence at a time, so token q of sequence s attends exactly to positions
+<= q of s, as in its own full prefill:
 
     packed queries   | A: a .. a+n_a-1 | B: b | C: 0 .. n_c-1 |
-    gathered keys    | A: 0 .. a+n_a-1 | B: 0 .. b | C: 0 .. n_c-1 |
+    keys (per seq.)  | A: 0 .. a+n_a-1 | B: 0 .. b | C: 0 .. n_c-1 |
                        A's rows see A's keys only (causal), B's row B's keys, ...
 
 Linear layers (most of the FLOPs and all weight reads) run once for the whole step; that is where batched decode
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.engine.attention import Segment, packed, segment_mask
+from kvflow.engine.attention import Segment, StepMasks, packed
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.model.runner import ModelRunner
 
@@ -36,15 +36,15 @@ class StepItem:
 
 
 class _StepSlot:
-    """Duck-typed transformers ``Cache`` for one step: ``update`` writes the step's new K/V into their slots and
-    returns the gathered K/V every query of the step may attend to."""
+    """Duck-typed transformers ``Cache`` for one step: ``update`` writes the step's new K/V into their slots (packed
+    attention gathers each sequence's keys from the cache itself)."""
 
-    def __init__(self, cache: PagedKVCache, write: torch.Tensor, read: torch.Tensor):
-        self.cache, self.write_slots, self.read_slots = cache, write, read
+    def __init__(self, cache: PagedKVCache, write: torch.Tensor):
+        self.cache, self.write_slots = cache, write
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.cache.write(layer_idx, self.write_slots, key_states, value_states)
-        return self.cache.gather(layer_idx, self.read_slots)
+        return key_states, value_states
 
 
 class BatchRunner:
@@ -60,20 +60,19 @@ class BatchRunner:
         """Run the step; returns fp32 logits [n_sample, vocab] of the items with ``sample``, in order."""
         assert items
         cache = self.cache
-        ids, qpos, write, read, last, segments = [], [], [], [], [], []
-        q0 = k0 = 0
-        windows = set(self._windows)
+        ids, qpos, write, last, segments = [], [], [], [], []
+        q0 = 0
         for it in items:
             n, end = len(it.token_ids), it.start + len(it.token_ids)
             ids.extend(it.token_ids)
             qpos.append(torch.arange(it.start, end))
-            write.append(cache.slots(it.block_table, it.start, end))
-            read.append(cache.slots(it.block_table, 0, end))
-            segments.append(Segment(q0, q0 + n, k0, k0 + end, {w: segment_mask(it.start, n, w) for w in windows}))
-            q0, k0 = q0 + n, k0 + end
+            read = cache.slots(it.block_table, 0, end)
+            write.append(read[it.start:])
+            segments.append(Segment(q0, q0 + n, it.start, read))
+            q0 += n
             if it.sample:
                 last.append(q0 - 1)
-        slot = _StepSlot(cache, torch.cat(write), torch.cat(read))
+        slot, masks = _StepSlot(cache, torch.cat(write)), StepMasks()
         with torch.inference_mode(), packed(self.runner.hf_model.config):
             hidden = self._base.embed_tokens(torch.tensor(ids, dtype=torch.long).view(1, -1))
             position_ids = torch.cat(qpos).view(1, -1)
@@ -81,7 +80,8 @@ class BatchRunner:
             for module in self.runner.layers:
                 hidden = module(hidden, attention_mask=None, position_ids=position_ids,
                                 position_embeddings=position_embeddings, use_cache=True,
-                                kvflow_segments=segments, kvflow_windows=self._windows, **{self._cache_kw: slot})
+                                kvflow_segments=segments, kvflow_windows=self._windows, kvflow_cache=cache,
+                                kvflow_masks=masks, **{self._cache_kw: slot})
                 if isinstance(hidden, tuple):
                     hidden = hidden[0]
             if not last:

@@ -17,6 +17,7 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, storage: torch.Tensor | None = None):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.kv_heads, self.head_dim = kv_heads, head_dim
         shape = (num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
         assert storage is None or (tuple(storage.shape) == shape and storage.dtype == dtype)
         self.kv = storage if storage is not None else torch.zeros(shape, dtype=dtype)   # storage: an elastic mmap
