@@ -22,6 +22,42 @@ def test_a_budget_longer_than_the_context_is_packed_as_several_sequences(tiny):
     assert measure_activation_reserve(tiny, 256, max_model_len=100) > 0
 
 
+def test_a_chunk_at_the_end_of_a_longer_sequence_needs_a_larger_reserve(tiny):
+    """The probe puts the budget's tokens at the end of the longest sequence: they attend to all of it."""
+    short = measure_activation_reserve(tiny, 128, max_model_len=128)
+    assert short < measure_activation_reserve(tiny, 128, max_model_len=4096)
+
+
+def test_beyond_the_probed_context_the_reserve_grows_at_least_by_the_gathered_kv(tiny):
+    """Past PROBE_CONTEXT the reserve is extended along the line through two probes, never below the K/V bytes one
+    more key gathers."""
+    from kvflow.engine.reserve import PROBE_CONTEXT
+    at = measure_activation_reserve(tiny, 64, max_model_len=PROBE_CONTEXT)
+    far = measure_activation_reserve(tiny, 64, max_model_len=4 * PROBE_CONTEXT)
+    per_key = 2 * tiny.kv_heads * tiny.head_dim * 4
+    assert far - at >= per_key * 3 * PROBE_CONTEXT * 0.9
+
+
+def test_the_probe_step_samples_as_many_sequences_as_a_step_may(tiny, monkeypatch):
+    """Every sequence of a step is sampled, so the probe's step holds ``max_num_seqs`` sequences (one long chunk at
+    the end of the longest sequence, the rest one token each) within the budget: their fp32 logits count (a few
+    hundred KiB on tiny's 1K vocabulary, tens of MiB on a 150K one)."""
+    from kvflow.engine import reserve
+    from kvflow.engine.model_runner import BatchRunner
+
+    seen = []
+    original = BatchRunner.execute
+
+    def execute(self, items):
+        seen.append((sum(len(i.token_ids) for i in items), sum(i.sample for i in items), max(i.start for i in items)))
+        return original(self, items)
+
+    monkeypatch.setattr(BatchRunner, "execute", execute)
+    monkeypatch.setattr(reserve, "_CACHE", {})
+    measure_activation_reserve(tiny, 512, max_model_len=2048, max_num_seqs=64)
+    assert seen[-1] == (512, 64, 2048 - (512 - 63))
+
+
 def test_weights_count_tied_parameters_once(tiny):
     params = sum(p.numel() * p.element_size() for p in tiny.hf_model.parameters())
     assert params <= weight_bytes(tiny) <= params + 2**20
@@ -33,7 +69,9 @@ def test_startup_report_adds_up(tiny, caplog):
     m = engine.memory
     per_block = PagedKVCache.bytes_per_block(tiny.num_layers, 16, tiny.kv_heads, tiny.head_dim, 4)
     assert m.kv_blocks == engine.num_blocks * per_block == engine.cache.kv.numel() * 4
-    assert m.activation_reserve == measure_activation_reserve(tiny, 256)
+    longest = min(engine.max_model_len, engine.num_blocks * 16)
+    assert m.activation_reserve == measure_activation_reserve(tiny, 256, max_model_len=longest,
+                                                              max_num_seqs=engine.config.max_num_seqs)
     assert m.weights == weight_bytes(tiny)
     assert m.total == m.weights + m.activation_reserve + m.kv_blocks
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory:"))

@@ -41,6 +41,7 @@ from kvflow.errors import ConfigError
 Progress = Callable[[str], None]
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 OPEN_DECODE = 4096            # (a): decoders' max_tokens (they are aborted once the long prompts are done)
+SEQS = 64                     # max_num_seqs of every engine here
 
 
 @dataclass(slots=True)
@@ -187,7 +188,14 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
     bs = w.block_size
     per_block = PagedKVCache.bytes_per_block(runner.num_layers, bs, runner.kv_heads, runner.head_dim,
                                              runner.dtype.itemsize)
-    reserves = {t: activation_reserve(runner, t) for t in sorted(set(w.budgets) | {w.small_budget})}
+    maxpos = runner.max_positions or 2**62
+
+    def longest(blocks: int) -> int:                # the longest sequence an engine of ``blocks`` holds (engine.py)
+        return min(maxpos, blocks * bs)
+
+    need = _blocks(w.long_len + 1, bs) + w.decoders * _blocks(w.decode_prompt + OPEN_DECODE, bs)
+    reserves = {t: activation_reserve(runner, t, longest(need), SEQS)
+                for t in sorted(set(w.budgets) | {w.small_budget})}
     try:
         import kvflow.engine.reserve  # noqa: F401
         source = "measured (engine/reserve.py)"
@@ -196,12 +204,11 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
     progress(f"reserves ({source}): " + ", ".join(f"{t}: {r / 2**20:.1f} MiB" for t, r in reserves.items()))
 
     # (a) TTFT vs token budget; KV enough for everything (the budget under study is the token budget)
-    need = _blocks(w.long_len + 1, bs) + w.decoders * _blocks(w.decode_prompt + OPEN_DECODE, bs)
     ttft_rows, runs = [], []
     for r in range(w.repeats):
         order = list(w.budgets[r % len(w.budgets):] + w.budgets[:r % len(w.budgets)])
         for t in order:
-            cfg = EngineConfig(block_size=bs, num_blocks=need, max_num_batched_tokens=t, max_num_seqs=64,
+            cfg = EngineConfig(block_size=bs, num_blocks=need, max_num_batched_tokens=t, max_num_seqs=SEQS,
                                **_reserve_kw(reserves[t]))
             row = run_mixed(runner, cfg, w, decoders=w.decoders, decode_tokens=None, long_len=w.long_len,
                             long_prompts=w.long_prompts, seed=w.seed + r,
@@ -220,8 +227,17 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
     big = max(w.budgets)
     base = w.c_base_blocks or max(_blocks(w.c_long_len + 1, bs) + 1,
                                   w.c_decoders * _blocks(w.decode_prompt + w.c_tokens, bs) // 2)
-    memory = base * per_block + reserves[big]
-    small_blocks = (memory - reserves[w.small_budget]) // per_block
+    c_reserve = {big: activation_reserve(runner, big, longest(base), SEQS)}
+    memory = base * per_block + c_reserve[big]
+    # the small config's blocks: what the memory holds beside its reserve, which grows with its longest sequence
+    # (more blocks, longer); from the reserve at the base length down until blocks + reserve fit the one budget
+    small_blocks = (memory - activation_reserve(runner, w.small_budget, longest(base), SEQS)) // per_block
+    while True:
+        c_reserve[w.small_budget] = activation_reserve(runner, w.small_budget, longest(small_blocks), SEQS)
+        fit = (memory - c_reserve[w.small_budget]) // per_block
+        if fit >= small_blocks:
+            break
+        small_blocks = fit
     configs = {"fixed": dict(max_num_batched_tokens=big, num_blocks=base),
                "elastic": dict(max_num_batched_tokens=big, num_blocks=base, elastic_reserve=True),
                "small": dict(max_num_batched_tokens=w.small_budget, num_blocks=small_blocks)}
@@ -230,10 +246,10 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
         names = list(configs)[r % 3:] + list(configs)[:r % 3]
         for name in names:
             t = configs[name]["max_num_batched_tokens"]
-            cfg = EngineConfig(block_size=bs, max_num_seqs=64, **_reserve_kw(reserves[t]), **configs[name])
+            cfg = EngineConfig(block_size=bs, max_num_seqs=SEQS, **_reserve_kw(c_reserve[t]), **configs[name])
             row = run_mixed(runner, cfg, w, decoders=w.c_decoders, decode_tokens=w.c_tokens, long_len=w.c_long_len,
                             long_prompts=w.c_long_prompts, seed=w.seed + 100 + r,
-                            reserve=reserves[t])
+                            reserve=c_reserve[t])
             row.update(part="c", config=name, repeat=r)
             runs.append(row)
             progress(f"(c) repeat {r} {name}: {row['decode_tok_s']:.1f} decode tok/s, max running "
@@ -259,7 +275,8 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
             "bytes_per_block": per_block, "reserve_source": source,
             "reserves": {str(t): r for t, r in reserves.items()},
             "ttft": ttft_rows, "ttft_gap_vs_best": {str(r["budget"]): r["ttft_p50_s"] / best - 1 for r in ttft_rows},
-            "memory_budget_bytes": memory, "capacity": c_rows, "takeback": takeback,
+            "memory_budget_bytes": memory, "capacity_reserves": {str(t): r for t, r in c_reserve.items()},
+            "capacity": c_rows, "takeback": takeback,
             "all_within_budget": all(x["within_budget"] for x in runs), "runs": runs,
             "load_average": os.getloadavg()}
 

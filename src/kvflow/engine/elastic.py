@@ -61,24 +61,26 @@ def standin_activation_reserve(runner, tokens: int) -> int:
     return tokens * per_token * runner.dtype.itemsize
 
 
-def activation_reserve(runner, tokens: int) -> int:
-    """Bytes of activations a step of ``tokens`` tokens needs: measured (engine/reserve.py) where it exists."""
+def activation_reserve(runner, tokens: int, longest: int | None = None, seqs: int = 1) -> int:
+    """Bytes of activations a step of ``tokens`` tokens needs when its sequences may be ``longest`` positions long:
+    measured (engine/reserve.py) where it exists."""
     try:
         from kvflow.engine.reserve import measure_activation_reserve
     except ModuleNotFoundError as err:
         if err.name != "kvflow.engine.reserve":
             raise
         return standin_activation_reserve(runner, tokens)
-    return int(measure_activation_reserve(runner, tokens))
+    return int(measure_activation_reserve(runner, tokens, max_model_len=longest, max_num_seqs=seqs))
 
 
-def lendable_blocks(runner, config, bytes_per_block: int) -> int:
-    """KV blocks the reserve lends: a full step's reserve minus a decode-only step's (``engine.elastic_blocks``
-    overrides)."""
+def lendable_blocks(runner, config, bytes_per_block: int, longest: int | None = None) -> int:
+    """KV blocks the reserve lends: a full step's reserve minus a decode-only step's, both with sequences up to
+    ``longest`` positions (``engine.elastic_blocks`` overrides)."""
     if config.elastic_blocks:
         return config.elastic_blocks
     full = config.max_num_batched_tokens
-    spare = activation_reserve(runner, full) - activation_reserve(runner, min(config.max_num_seqs, full))
+    seqs = config.max_num_seqs
+    spare = activation_reserve(runner, full, longest, seqs) - activation_reserve(runner, min(seqs, full), longest, seqs)
     return max(spare, 0) // bytes_per_block
 
 
@@ -149,8 +151,8 @@ class ElasticReserve:
         self.engine = None
 
     @classmethod
-    def create(cls, runner, config, base_blocks: int, bytes_per_block: int) -> ElasticReserve:
-        lent = lendable_blocks(runner, config, bytes_per_block)
+    def create(cls, runner, config, base_blocks: int, bytes_per_block: int, longest: int | None = None) -> ElasticReserve:
+        lent = lendable_blocks(runner, config, bytes_per_block, longest)
         if lent == 0:
             log.warning("engine.elastic_reserve: the activation reserve is smaller than one KV block; nothing to lend")
         shape = (runner.num_layers, 2, (base_blocks + lent) * config.block_size, runner.kv_heads, runner.head_dim)

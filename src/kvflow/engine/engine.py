@@ -97,14 +97,16 @@ class LLMEngine:
         if self.num_blocks < 1:
             raise ConfigError(f"engine.kv_budget {cfg.kv_budget} B holds no block ({per_block} B per block)")
         self.max_model_len = cfg.max_model_len or getattr(runner.config, "max_position_embeddings", 2**31)
-        self.elastic = ElasticReserve.create(runner, cfg, self.num_blocks, per_block) if cfg.elastic_reserve else None
+        longest = min(self.max_model_len, self.num_blocks * cfg.block_size)   # the longest sequence it can hold
+        self.elastic = (ElasticReserve.create(runner, cfg, self.num_blocks, per_block, longest)
+                        if cfg.elastic_reserve else None)
         lent = self.elastic.lent_ids if self.elastic else []
         self.cache = PagedKVCache(runner.num_layers, self.num_blocks + len(lent), cfg.block_size, runner.kv_heads,
                                   runner.head_dim, runner.dtype, self.elastic.region.kv if self.elastic else None)
         self.blocks = BlockManager(self.num_blocks + len(lent), cfg.block_size, cfg.enable_prefix_caching, lent)
         self.batch_runner = BatchRunner(runner, self.cache)
         reserve = cfg.activation_reserve or measure_activation_reserve(
-            runner, cfg.max_num_batched_tokens, max_model_len=self.max_model_len)
+            runner, cfg.max_num_batched_tokens, max_model_len=longest, max_num_seqs=cfg.max_num_seqs)
         self.memory = MemoryBudget(weight_bytes(runner), reserve, self.num_blocks * per_block, self.num_blocks,
                                    cfg.block_size, len(lent))
         log.info("%s", self.memory.line())

@@ -4,8 +4,9 @@
     log.info(budget.line())   # memory: weights 11.5 MiB + activation reserve 9.8 MiB + KV blocks 256.0 MiB (...) = ...
 
 The reserve is what one engine step of ``max_num_batched_tokens`` tokens allocates beyond the weights and the KV
-blocks (hidden states, MLP intermediates, gathered K/V, attention workspace, logits). It is *measured*: one
-prefill step of that many tokens through the engine's own ``BatchRunner`` over a throw-away paged cache, and
+blocks (hidden states, MLP intermediates, one sequence's gathered K/V of one layer, the chunk's attention mask and
+workspace, logits). It is *measured*: the worst such step — a chunk at the end of the longest sequence the engine
+holds — through the engine's own ``BatchRunner`` over a throw-away paged cache, and
 
 * on CPU: the process's peak resident memory during the step above its resident memory before it — glibc's free
   memory is handed back first (``malloc_trim``) and the kernel's high-water mark reset (``/proc/self/clear_refs``
@@ -75,20 +76,46 @@ def weight_bytes(runner) -> int:
     return total
 
 
-def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model_len: int | None = None) -> int:
-    """Peak bytes one prefill step of ``max_num_batched_tokens`` tokens allocates (see the module docstring).
-    A budget longer than the model's context is measured as several sequences packed into the one step."""
+PROBE_CONTEXT = 32768    # longest context a probe step runs at; beyond it the reserve is extrapolated (linear in keys)
+PROBE_REPEATS = 3        # each probe step runs this many times; its highest peak counts
+
+
+def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model_len: int | None = None,
+                               max_num_seqs: int = 1) -> int:
+    """Peak bytes one engine step of ``max_num_batched_tokens`` tokens allocates (see the module docstring).
+
+    ``max_model_len`` is the longest sequence the engine holds (its context, bounded by its KV blocks). The worst
+    step is a chunk at the end of such a sequence: its queries attend to all of it (packed attention gathers one
+    sequence's K/V of one layer at a time, so the batch does not add to this). The probe runs that step: the
+    budget's tokens as the last positions of a ``max_model_len`` context; a budget longer than the context as
+    several sequences packed into the step. Beyond PROBE_CONTEXT keys the probe runs at two contexts and extends
+    the line through them (what grows with the context — the gathered K/V, the chunk's mask, attention scores —
+    is linear in it), never below the gathered K/V's own bytes per key. Default ``max_model_len``: the budget
+    itself (a prefill from position 0: the step the advisor's shape formula describes). ``max_num_seqs``: the step
+    also samples that many sequences (up to the budget) — their logits, ``[seqs, vocab]`` in fp32, are part of it."""
     assert max_num_batched_tokens >= 1
+    tokens = max_num_batched_tokens
     device = next(runner.hf_model.parameters()).device
-    limit = max(1, min(max_model_len or runner.max_positions or max_num_batched_tokens, max_num_batched_tokens))
-    key = (runner.fingerprint, max_num_batched_tokens, limit, str(device), torch.get_num_threads())
+    limit = max(1, min(max_model_len or tokens, runner.max_positions or 2**62))
+    seqs = max(1, min(max_num_seqs, tokens))
+    key = (runner.fingerprint, tokens, limit, seqs, str(device), torch.get_num_threads())
     if key not in _CACHE:
         probe = _CUDAPeak(device) if device.type == "cuda" else _HostPeak()
-        _step(runner, min(_WARMUP_TOKENS, max_num_batched_tokens), limit, device)
+        _step(runner, min(_WARMUP_TOKENS, tokens), min(limit, PROBE_CONTEXT), device, None, min(seqs, _WARMUP_TOKENS))
+        def peak(seq_len: int) -> int:     # the highest of three: a real step meets allocator growth now and then too
+            return max(_step(runner, tokens, seq_len, device, probe, seqs) for _ in range(PROBE_REPEATS))
+
         try:
-            _CACHE[key] = max(1, _step(runner, max_num_batched_tokens, limit, device, probe))
+            far = max(PROBE_CONTEXT, 2 * tokens)
+            if tokens >= limit or limit <= far:
+                _CACHE[key] = max(1, peak(limit))
+            else:
+                near, at_far = peak(far // 2), peak(far)
+                floor = 2 * runner.kv_heads * runner.head_dim * runner.dtype.itemsize      # gathered K and V per key
+                slope = max((at_far - near) / (far - far // 2), floor)
+                _CACHE[key] = max(1, int(at_far + slope * (limit - far)))
         except OSError as err:
-            _CACHE[key] = formula_reserve(runner, max_num_batched_tokens)
+            _CACHE[key] = formula_reserve(runner, tokens)
             log.warning("activation reserve not measurable here (%s); using the shape formula: %d B", err, _CACHE[key])
     return _CACHE[key]
 
@@ -101,20 +128,33 @@ def formula_reserve(runner, tokens: int) -> int:
     return activation_reserve(shape_from_config(runner.name, runner.config.to_dict()), tokens, 1, runner.dtype.itemsize)
 
 
-def _step(runner, tokens: int, seq_len: int, device, probe=None, block_size: int = 16) -> int:
-    """Run one engine step of ``tokens`` prompt tokens (sequences of at most ``seq_len``); the probe's peak."""
+def _step(runner, tokens: int, seq_len: int, device, probe=None, seqs: int = 1, block_size: int = 16) -> int:
+    """Run one engine step of ``tokens`` new tokens in sequences of at most ``seq_len`` positions; the probe's peak.
+    ``seqs - 1`` of the tokens are one-token sequences (every sequence of the step is sampled); the rest:
+    ``>= seq_len``, whole sequences from position 0 (and a shorter last one); else one chunk, the last positions of
+    a ``seq_len`` context. The probe's KV is uninitialised memory nothing writes to but the
+    step (untouched pages are not resident) and the slots the step writes are touched before the probe starts:
+    KV is not reserve."""
     from kvflow.engine.model_runner import BatchRunner, StepItem
     from kvflow.engine.paged_cache import PagedKVCache
 
-    lengths = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
-    per_seq = [math.ceil(n / block_size) for n in lengths]
+    singles = min(seqs, tokens) - 1
+    rest = tokens - singles
+    if rest >= seq_len:
+        spans = [(0, seq_len)] * (rest // seq_len) + ([(0, rest % seq_len)] if rest % seq_len else [])
+    else:
+        spans = [(seq_len - rest, seq_len)]
+    spans += [(0, 1)] * singles
+    per_seq = [math.ceil(end / block_size) for _, end in spans]
+    shape = (runner.num_layers, 2, sum(per_seq) * block_size, runner.kv_heads, runner.head_dim)
     cache = PagedKVCache(runner.num_layers, sum(per_seq), block_size, runner.kv_heads, runner.head_dim,
-                         runner.dtype)
-    cache.kv = cache.kv.to(device).fill_(0)              # resident before the probe starts: KV is not reserve
+                         runner.dtype, torch.empty(shape, dtype=runner.dtype, device=device))
     items, first = [], 0
     vocab = runner.config.vocab_size
-    for n, nb in zip(lengths, per_seq):
-        items.append(StepItem(list(range(first, first + nb)), 0, [(7 * i + 1) % vocab for i in range(n)], True))
+    for (start, end), nb in zip(spans, per_seq):
+        table = list(range(first, first + nb))
+        cache.kv[:, :, cache.slots(table, start, end)] = 0
+        items.append(StepItem(table, start, [(7 * i + 1) % vocab for i in range(start, end)], True))
         first += nb
     batch = BatchRunner(runner, cache)
     if probe is None:
