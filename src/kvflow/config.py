@@ -182,11 +182,14 @@ def check(cond: bool, message: str) -> None:
 
 # -- environment -----------------------------------------------------------------------------------------------
 # Variables kvflow reads besides the ``KVFLOW_<SECTION>_<FIELD>`` overrides.
-ENV_VARS = ("KVFLOW_HOME", "KVFLOW_CONFIG", "KVFLOW_TORCH_THREADS", "KVFLOW_BENCH_DISK", "KVFLOW_TEST_THREADS")
+ENV_VARS = ("KVFLOW_HOME", "KVFLOW_CONFIG", "KVFLOW_TORCH_THREADS", "KVFLOW_BENCH_DISK", "KVFLOW_API_KEY",
+            "KVFLOW_VLLM_VENV",
+            # read by the test suite (make test sets KVFLOW_TEST_VLLM=1), never by kvflow itself
+            "KVFLOW_TEST_THREADS", "KVFLOW_TEST_VLLM", "KVFLOW_PEER_TESTS", "KVFLOW_BAD_INPUT_CASES")
 # Sections that take env overrides: name -> "module:Class" (imported only to list their fields).
 SECTIONS = {"pool": "kvflow.pool.config:PoolConfig", "planner": "kvflow.planner.strategies:PlannerConfig",
             "executor": "kvflow.executor.config:ExecutorConfig",
-            "connector": "kvflow.integrations.vllm:ConnectorConfig"}
+            "connector": "kvflow.integrations.vllm:ConnectorConfig", "engine": "kvflow.engine.config:EngineConfig"}
 
 
 def env_int(name: str, lo: int, hi: int, env: Mapping[str, str] | None = None) -> int | None:
