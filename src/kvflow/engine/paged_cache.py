@@ -46,9 +46,11 @@ class PagedKVCache:
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of ``slots`` as [1, H, len(slots), D]."""
-        k = self.kv[layer, 0].index_select(0, slots).transpose(0, 1).unsqueeze(0)
-        v = self.kv[layer, 1].index_select(0, slots).transpose(0, 1).unsqueeze(0)
-        return k, v
+        # one index_select over the slot dim of [2, slots, H, D]: K and V in one copy. As fast as two over dim 0 of
+        # [slots, H, D] on an idle machine, but with a neighbour on the cores those took ~0.5 ms each at 600 slots
+        # (their 2-thread kernel waits for the slower thread) against ~20 us for this one.
+        kv = self.kv[layer].index_select(1, slots)
+        return kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
 
     def write_sequence(self, block_table: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], start: int,
                        end: int) -> None:
