@@ -12,8 +12,8 @@ chunked prefill (512-token steps) and vLLM's local prefix cache off, so every hi
   deliberately wrong block layout stores wrong records and changes the output.
 
 Servers run in their own process group and are always killed. ``make test`` builds ``.venv-vllm`` and runs this
-with ``KVFLOW_TEST_VLLM=1`` (1.5 minutes on a quiet 2-vCPU machine, 20 on a loaded one); a bare ``pytest`` skips it unless that is set, and
-without ``.venv-vllm`` (``make vllm-kvflow``) it skips and says so.
+with ``KVFLOW_TEST_VLLM=1`` (1.5 minutes on a quiet 2-vCPU machine, 20 on a loaded one); a bare ``pytest`` skips
+it unless that is set, and without ``.venv-vllm`` (``make vllm-kvflow``) it skips and says so.
 """
 
 import os
