@@ -87,6 +87,16 @@ class EngineStats:
     preemptions: int = 0
 
 
+def model_len(runner: ModelRunner, cfg: EngineConfig) -> int:
+    """The longest context the engine accepts: ``engine.max_model_len``, else the model's positions."""
+    return cfg.max_model_len or getattr(runner.config, "max_position_embeddings", 2**31)
+
+
+def longest_sequence(runner: ModelRunner, cfg: EngineConfig, num_blocks: int) -> int:
+    """The longest sequence an engine of ``num_blocks`` base blocks can hold (what its activation reserve covers)."""
+    return min(model_len(runner, cfg), num_blocks * cfg.block_size)
+
+
 class LLMEngine:
     def __init__(self, runner: ModelRunner, config: EngineConfig | None = None, *, restorer=None, tokenizer=None):
         self.runner, self.config, self.tokenizer = runner, config or EngineConfig(), tokenizer
@@ -96,8 +106,8 @@ class LLMEngine:
         self.num_blocks = cfg.num_blocks or cfg.kv_budget // per_block
         if self.num_blocks < 1:
             raise ConfigError(f"engine.kv_budget {cfg.kv_budget} B holds no block ({per_block} B per block)")
-        self.max_model_len = cfg.max_model_len or getattr(runner.config, "max_position_embeddings", 2**31)
-        longest = min(self.max_model_len, self.num_blocks * cfg.block_size)   # the longest sequence it can hold
+        self.max_model_len = model_len(runner, cfg)
+        longest = longest_sequence(runner, cfg, self.num_blocks)
         self.elastic = (ElasticReserve.create(runner, cfg, self.num_blocks, per_block, longest)
                         if cfg.elastic_reserve else None)
         lent = self.elastic.lent_ids if self.elastic else []

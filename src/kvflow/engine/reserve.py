@@ -102,6 +102,7 @@ def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model
     if key not in _CACHE:
         probe = _CUDAPeak(device) if device.type == "cuda" else _HostPeak()
         _step(runner, min(_WARMUP_TOKENS, tokens), min(limit, PROBE_CONTEXT), device, None, min(seqs, _WARMUP_TOKENS))
+
         def peak(seq_len: int) -> int:     # the highest of three: a real step meets allocator growth now and then too
             return max(_step(runner, tokens, seq_len, device, probe, seqs) for _ in range(PROBE_REPEATS))
 
