@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
+from kvflow.engine.engine import longest_sequence
 from kvflow.engine.elastic import activation_reserve
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.errors import ConfigError
@@ -188,10 +189,9 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
     bs = w.block_size
     per_block = PagedKVCache.bytes_per_block(runner.num_layers, bs, runner.kv_heads, runner.head_dim,
                                              runner.dtype.itemsize)
-    maxpos = runner.max_positions or 2**62
 
-    def longest(blocks: int) -> int:                # the longest sequence an engine of ``blocks`` holds (engine.py)
-        return min(maxpos, blocks * bs)
+    def longest(blocks: int) -> int:                # what the engines below compute for their reserve
+        return longest_sequence(runner, EngineConfig(block_size=bs), blocks)
 
     need = _blocks(w.long_len + 1, bs) + w.decoders * _blocks(w.decode_prompt + OPEN_DECODE, bs)
     reserves = {t: activation_reserve(runner, t, longest(need), SEQS)
@@ -235,6 +235,10 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
     while True:
         c_reserve[w.small_budget] = activation_reserve(runner, w.small_budget, longest(small_blocks), SEQS)
         fit = (memory - c_reserve[w.small_budget]) // per_block
+        if fit < 1:
+            raise ConfigError(f"--small-budget {w.small_budget}: its reserve "
+                              f"({c_reserve[w.small_budget] / 2**20:.1f} MiB) leaves no KV block in the "
+                              f"{memory / 2**20:.1f} MiB memory budget of (c)")
         if fit >= small_blocks:
             break
         small_blocks = fit
