@@ -98,10 +98,10 @@ def test_a_failing_restoration_falls_back_to_recompute(tiny, restorer):
     eng.close()
 
 
-def test_other_sequences_keep_decoding_while_a_restoration_is_in_flight(tiny, restorer):
+def test_with_async_restore_other_sequences_keep_decoding_while_a_restoration_is_in_flight(tiny, restorer):
     base = ids(96, 12)
     restorer.store(base)
-    eng = engine(tiny, restorer)
+    eng = engine(tiny, restorer, async_restore=True)
     gate = threading.Event()
     real = eng.pool.restore
     eng.pool.restore = lambda requests: (gate.wait(60), real(requests))[1]
@@ -126,7 +126,7 @@ def test_other_sequences_keep_decoding_while_a_restoration_is_in_flight(tiny, re
 def test_aborting_a_request_while_it_is_restored_frees_its_blocks_when_the_restore_returns(tiny, restorer):
     base = ids(64, 14)
     restorer.store(base)
-    eng = engine(tiny, restorer)
+    eng = engine(tiny, restorer, async_restore=True)
     gate = threading.Event()
     real = eng.pool.restore
     eng.pool.restore = lambda requests: (gate.wait(60), real(requests))[1]
@@ -141,9 +141,9 @@ def test_aborting_a_request_while_it_is_restored_frees_its_blocks_when_the_resto
     eng.close()
 
 
-def test_restoring_inside_the_step_is_exact_too(tiny, restorer):
+def test_restoring_on_the_async_worker_is_exact_too(tiny, restorer):
     restorer.store(ids(130, 3))
-    eng = engine(tiny, restorer, async_restore=False)
+    eng = engine(tiny, restorer, async_restore=True)
     prompts = [ids(130, 3) + ids(5, 4), ids(130, 3)[:70] + ids(2, 5)]
     outs = eng.generate(prompts, SamplingParams(max_tokens=5))
     assert [o.token_ids for o in outs] == [hf_greedy(tiny, p, 5) for p in prompts]

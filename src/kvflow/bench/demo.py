@@ -27,6 +27,7 @@ from kvflow.bench.serve_bench import (ChatWorkload, LocalServer, kvflow_engine, 
                                       median_summary, records_json, result_row, run_chat, sessions, summarize,
                                       working_set_tokens)
 from kvflow.engine import EngineConfig
+from kvflow.threads import in_fresh_thread
 
 STRATEGIES = ("recompute", "cacheflow")
 Tick = Callable[[int, int], None]          # (finished requests, total requests)
@@ -57,8 +58,8 @@ def run_demo(runner, cost, w: ChatWorkload, *, home: str | Path, chunk_tokens: i
     for rep in range(repeats):
         order = list(strategies) if rep % 2 == 0 else list(reversed(strategies))   # neither always runs first
         for name in order:
-            engine = kvflow_engine(runner, name, kv_tokens * kv, block, pool_bytes, chunk_tokens, step, cost,
-                                   str(pool_dir))
+            engine = in_fresh_thread(kvflow_engine, runner, name, kv_tokens * kv, block, pool_bytes, chunk_tokens,
+                                     step, cost, str(pool_dir))     # no OpenMP team on this thread: threads.py
             base = done
             try:
                 with LocalServer(engine, runner.name) as server:

@@ -115,8 +115,9 @@ def demo(ctx: typer.Context,
     model = model or DEFAULT_MODEL
     t0 = time.perf_counter()
     status(f"building {model}")
-    runner = load_model(model)
-    cost = ensure_cost(runner, 8192)
+    from kvflow.threads import in_fresh_thread
+    runner = in_fresh_thread(load_model, model)        # set-up off the thread that drives the server: threads.py
+    cost = in_fresh_thread(ensure_cost, runner, 8192)
     folder = out_dir("demo", out)
     with progress_bar("chat requests") as bar:
         task = bar.add_task("chat requests (recompute and cacheflow, alternated)", total=None)

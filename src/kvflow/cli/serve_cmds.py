@@ -160,15 +160,19 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                 typer.echo(f"note: {NOT_INSTALLED}" + (f" (no vLLM in {peer_venv})" if peer_venv else ""),
                            err=True)
                 results["peer"] = {"name": peer, "skipped": NOT_INSTALLED}
-        runner = load_model(model)
-        cost = ensure_cost(runner, 8192) if any(c != "resident" for c in names) else None
+        from kvflow.threads import in_fresh_thread
+
+        # every set-up step that computes runs on a thread of its own, so that this (the client's) thread keeps no
+        # OpenMP team beside the engine thread's: kvflow/threads.py
+        runner = in_fresh_thread(load_model, model)
+        cost = in_fresh_thread(ensure_cost, runner, 8192) if any(c != "resident" for c in names) else None
         ws = working_set_tokens(w)
         kv_tokens = max(int(ws * kv_share), longest_history_tokens(w) + answer_tokens + block_size)
         kv_budget = kv_tokens * runner.kv_bytes_per_token()
         rate = None
         if rho is not None:
             from kvflow.bench.bound import recompute_rate
-            rate = recompute_rate(runner, chunk_tokens)
+            rate = in_fresh_thread(recompute_rate, runner, chunk_tokens)
         results.update(model=model, working_set_tokens=ws, kv_budget_tokens=kv_tokens, rho=rho,
                        recompute_rate_bytes_per_s=rate,
                        pool="memory" if pool_dir is None else f"extent file under {pool_dir}")
@@ -182,8 +186,9 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
             if venv is not None:
                 from kvflow.bench.peer import running_peer
                 typer.echo(f"starting the {peer} peer from {venv} (log: {folder / 'vllm.log'}) ...", err=True)
-                vllm = stack.enter_context(running_peer(peer, runner, model, kv_tokens, block_size, max_batched,
-                                                        folder, venv, seed=seed, timeout_s=peer_timeout))
+                vllm = in_fresh_thread(stack.enter_context,        # saving the checkpoint computes
+                                       running_peer(peer, runner, model, kv_tokens, block_size, max_batched, folder,
+                                                    venv, seed=seed, timeout_s=peer_timeout))
                 rounds_of[peer] = []
                 results["peer"] = {"name": peer, "venv": str(venv), "command": vllm.command(),
                                    "env": {k: v for k, v in vllm.env().items() if k.startswith("VLLM_")},
@@ -191,9 +196,10 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                                    "kv_budget_tokens": vllm.max_model_len}
             for _ in range(repeats):                  # configurations alternate: a shared machine drifts
                 for name in names:
-                    engine = kvflow_engine(runner, None if name == "resident" else name, kv_budget, block_size,
-                                           4 * ws * runner.kv_bytes_per_token() + (64 << 20), chunk_tokens,
-                                           max_batched, cost, None if pool_dir is None else str(pool_dir), rho, rate)
+                    engine = in_fresh_thread(kvflow_engine, runner, None if name == "resident" else name, kv_budget,
+                                             block_size, 4 * ws * runner.kv_bytes_per_token() + (64 << 20),
+                                             chunk_tokens, max_batched, cost,
+                                             None if pool_dir is None else str(pool_dir), rho, rate)
                     with LocalServer(engine, model) as server:
                         records, wall = asyncio.run(run_chat(server.url, model, w, tokenizer=tokenizer))
                     rounds_of[name].append((records, summarize(records, wall), server.hit_split()))
@@ -261,7 +267,8 @@ def bench_soak(url: Optional[str] = typer.Option(None, help="an OpenAI-compatibl
                                    (lambda: rss_bytes(pid)) if pid else None))
     else:
         from kvflow.server import build_engine
-        engine, _ = build_engine(model, str(config) if config else None)
+        from kvflow.threads import in_fresh_thread
+        engine, _ = in_fresh_thread(build_engine, model, str(config) if config else None)
         with LocalServer(engine, model) as server:
             res = asyncio.run(run_soak(server.url, model, clients, duration, seed, rss_bytes))
     row = {k: res.get(k) for k in ("clients", "duration_s", "valid", "valid_errors", "bad", "bad_4xx", "bad_other",

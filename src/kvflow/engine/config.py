@@ -20,7 +20,7 @@ class EngineConfig:
     chunked_prefill: bool = True          # False: a prompt is admitted only when all of it fits one step
     strategy: str = "cacheflow"           # restoration strategy for pool hits (any of kvflow.planner.STRATEGIES)
     pool_min_tokens: int = 1              # a pool hit must add at least this many tokens over the resident hit
-    async_restore: bool = True            # restore pool hits on a worker thread while steps go on (False: in the step)
+    async_restore: bool = False           # True: restore pool hits on a 1-thread worker while steps go on (threads.py)
     write_queue: int = 64                 # pending pool writes at most; a full queue drops (and counts) writes
     activation_reserve: int = 0           # bytes of prefill activations ("64M"); 0: measured at start-up (reserve.py)
     elastic_reserve: bool = False         # lend the prefill activation reserve as KV blocks while only decodes run

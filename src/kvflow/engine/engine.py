@@ -34,6 +34,7 @@ from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.sequence import Sequence, Status
 from kvflow.errors import ConfigError, KVFlowError
 from kvflow.model.runner import ModelRunner
+from kvflow.threads import single_threaded
 
 log = logging.getLogger("kvflow.engine")
 
@@ -121,7 +122,8 @@ class LLMEngine:
                                    cfg.block_size, len(lent))
         log.info("%s", self.memory.line())
         self.pool = PoolTier(restorer, cfg.strategy, cfg.write_queue) if restorer is not None else None
-        self._restorer = ThreadPoolExecutor(1, thread_name_prefix="kvflow-restore") if self.pool else None
+        self._restorer = (ThreadPoolExecutor(1, thread_name_prefix="kvflow-restore", initializer=single_threaded)
+                          if self.pool else None)     # one OpenMP team per process: kvflow/threads.py
         self._jobs: list[_RestoreJob] = []
         self.scheduler = Scheduler(cfg, self.blocks, self.pool.lookup if self.pool else None, self._store)
         if self.elastic is not None:

@@ -14,6 +14,7 @@ from kvflow.executor.sync import StallError, Sync
 from kvflow.executor.timeline import Event
 from kvflow.model.runner import ModelRunner
 from kvflow.planner.plan import ComputeStep
+from kvflow.threads import single_threaded_run
 
 
 class ComputeSide:
@@ -136,7 +137,7 @@ class ComputeSide:
             except BaseException as err:  # re-raised on the compute thread
                 box.append((False, err))
 
-        helper = threading.Thread(target=run, name="kvflow-inputs", daemon=True)
+        helper = threading.Thread(target=single_threaded_run(run), name="kvflow-inputs", daemon=True)
         helper.start()
         helper.join(self.sync.stall_s)
         if helper.is_alive():

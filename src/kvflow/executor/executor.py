@@ -43,6 +43,7 @@ from kvflow.executor.job import Execution, Job
 from kvflow.executor.sync import StallError, Sync
 from kvflow.model.runner import KVCache, ModelRunner
 from kvflow.planner.plan import ComputeStep, LoadStep, Plan
+from kvflow.threads import single_threaded_run
 
 if TYPE_CHECKING:
     from kvflow.pipeline.stage_link import StageLink
@@ -79,8 +80,8 @@ class Executor:
         sync = Sync(self.config.stall_timeout_s, time.perf_counter() if origin is None else origin)
         compute = ComputeSide(self.runner, sync)
         finish = Finish(self.runner, sync, compute)
-        io = threading.Thread(target=IOSide(self.pool, sync, jobs, boards).run, args=(io_order,), name="kvflow-io",
-                              daemon=True)
+        io = threading.Thread(target=single_threaded_run(IOSide(self.pool, sync, jobs, boards).run), args=(io_order,),
+                              name="kvflow-io", daemon=True)
         io.start()
         try:
             results = self._compute_side(jobs, boards, compute_order, query_order, sync, compute, finish)

@@ -27,6 +27,7 @@ from kvflow.executor.job import Job
 from kvflow.executor.sync import StallError, Sync
 from kvflow.executor.timeline import Event
 from kvflow.planner.plan import LoadStep
+from kvflow.threads import single_threaded_run
 
 log = logging.getLogger("kvflow.executor")
 
@@ -37,7 +38,8 @@ class Reads:
     def __init__(self, read, depth: int, name: str = "kvflow-fetch"):
         self.read = read
         self.todo: queue.SimpleQueue = queue.SimpleQueue()
-        self.threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(depth)]
+        self.threads = [threading.Thread(target=single_threaded_run(self._work), name=f"{name}_{i}", daemon=True)
+                        for i in range(depth)]
         for t in self.threads:
             t.start()
 

@@ -44,6 +44,7 @@ from kvflow.errors import ConfigError, KVFlowError
 from kvflow.integrations.paged import PagedLayout, check_alignment, slot_mapping, to_record
 from kvflow.pool.config import PoolConfig
 from kvflow.pool.write_queue import WriteQueue
+from kvflow.threads import single_threaded
 
 try:   # vLLM is optional: without it the connector class below is a plain object nothing instantiates
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
@@ -314,7 +315,8 @@ class WorkerSide:
         self.layout = layout
         self.caches: list[torch.Tensor] = []
         self.names: dict[str, int] = {}
-        self._io = ThreadPoolExecutor(cfg.load_threads, thread_name_prefix="kvflow-load")
+        self._io = ThreadPoolExecutor(cfg.load_threads, thread_name_prefix="kvflow-load",
+                                      initializer=single_threaded)     # no OpenMP team beside vLLM's
         self._inflight: dict[int, Future] = {}
         self._issued, self._phase = 0.0, Counter()   # the current load: when its reads went out, seconds per phase
         self._slots: dict[str, torch.Tensor] = {}    # req_id -> slots of its load's positions [start, end)

@@ -28,6 +28,7 @@ import xxhash
 from kvflow.config import env_int
 from kvflow.errors import ModelError
 from kvflow.model.presets import PRESETS, build_config, parse_name
+from kvflow.threads import set_compute_threads
 
 # Grouped-query attention with an explicit mask: let SDPA broadcast K/V heads (enable_gqa) instead of
 # transformers materialising repeated K/V per call — same numbers, up to 4x faster attention at 8K+ on CPU.
@@ -285,10 +286,15 @@ def max_threads() -> int:
     return max(64, 4 * (os.cpu_count() or 1))
 
 
+_DEFAULT_THREADS = torch.get_num_threads()    # torch's own choice, read on import before any thread changes it
+
+
 def _resolve_threads() -> None:
-    threads = env_int("KVFLOW_TORCH_THREADS", 1, max_threads())   # checked before torch sees it
-    if threads:
-        torch.set_num_threads(threads)
+    """$KVFLOW_TORCH_THREADS or torch's default, for this thread and as the computing thread's count
+    (kvflow/threads.py)."""
+    threads = env_int("KVFLOW_TORCH_THREADS", 1, max_threads()) or _DEFAULT_THREADS   # checked before torch sees it
+    torch.set_num_threads(threads)
+    set_compute_threads(threads)
 
 
 def load_model(name_or_path: str, *, seed: int = 0, dtype: str = "float32") -> ModelRunner:

@@ -20,6 +20,7 @@ from kvflow.chunks.keys import ChunkKey
 from kvflow.executor.timeline import Event
 from kvflow.pipeline.channel import END, PIECE, Channel
 from kvflow.pipeline.stage_link import StageLink
+from kvflow.threads import single_threaded_run
 
 log = logging.getLogger("kvflow.pipeline")
 
@@ -48,7 +49,7 @@ class ActivationInputs(StageLink):
         self.events: list[Event] = []
         self.failed: list[int] = []
         self.io_busy = 0.0
-        self._thread = threading.Thread(target=self._prefetch, name="kvflow-act", daemon=True)
+        self._thread = threading.Thread(target=single_threaded_run(self._prefetch), name="kvflow-act", daemon=True)
         self._thread.start()
         if steps:                       # the first step's activations go ahead of the KV loads on the link
             with self._cond:

@@ -46,6 +46,7 @@ from kvflow.pool.organizer import PROBE_CHUNK, Bandwidth, effective, probe, rati
 from kvflow.pool.recovery import recover
 from kvflow.pool.state import PoolState, Slot
 from kvflow.pool.striping import make_placement
+from kvflow.threads import single_threaded, single_threaded_run
 
 log = logging.getLogger("kvflow.pool")
 
@@ -98,7 +99,8 @@ class KVPool:
         self._stop = threading.Event()
         self._bg = None
         if self._state.journal is not None and not readonly:
-            self._bg = threading.Thread(target=self._background, name="kvpool-checkpoint", daemon=True)
+            self._bg = threading.Thread(target=single_threaded_run(self._background), name="kvpool-checkpoint",
+                                        daemon=True)
             self._bg.start()
 
     # -- construction ---------------------------------------------------------------------------------------
@@ -143,7 +145,8 @@ class KVPool:
             m = known.get(dcfg.name, {}) if dcfg.persistent else {}
             bw = Bandwidth(float(dcfg.bandwidth or m.get("read_bw") or 0),
                            float(dcfg.bandwidth or m.get("write_bw") or 0))
-            io = ThreadPoolExecutor(dcfg.workers, thread_name_prefix=f"kvpool-dev{len(st.slots)}")
+            io = ThreadPoolExecutor(dcfg.workers, thread_name_prefix=f"kvpool-dev{len(st.slots)}",
+                                    initializer=single_threaded)
             st.slots.append(Slot(Throttled(device, dcfg.throttle, dcfg.latency_s), dcfg, ident,
                                  ExtentAllocator(device.capacity, device.align), io, bw, cap=dcfg.throttle))
             if not getattr(device, "reachable", True):   # a remote store down at open: the pool starts without it

@@ -14,6 +14,8 @@ import threading
 from collections import Counter
 from typing import Callable
 
+from kvflow.threads import single_threaded_run
+
 log = logging.getLogger("kvflow.pool")
 
 
@@ -26,7 +28,7 @@ class WriteQueue:
             counters.setdefault(key, 0)
         self.queue: queue.Queue = queue.Queue(maxsize=size)
         self.closed = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread = threading.Thread(target=single_threaded_run(self._loop), name=name, daemon=True)
         self._thread.start()
 
     def full(self) -> bool:

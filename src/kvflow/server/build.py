@@ -66,7 +66,11 @@ def serve(model: str = DEFAULT_MODEL, config: str | None = None, host: str = "12
 
     from kvflow.server.app import build_app
 
-    engine, tokenizer = build_engine(model, config or default_config(), seed=seed, elastic_reserve=elastic_reserve)
+    from kvflow.threads import in_fresh_thread
+
+    # built on a thread that ends here: the main thread (uvicorn's) keeps no OpenMP team beside the engine thread's
+    engine, tokenizer = in_fresh_thread(build_engine, model, config or default_config(), seed=seed,
+                                        elastic_reserve=elastic_reserve)
     api_key = api_key or os.environ.get("KVFLOW_API_KEY") or None
     app = build_app(engine, model, tokenizer, api_key=api_key)
     log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens, pool %s)", model, host, port,

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvflow.engine import LLMEngine, SamplingParams
+from kvflow.threads import use_compute_threads
 
 log = logging.getLogger("kvflow.server")
 
@@ -97,6 +98,7 @@ class EngineLoop:
                 self.engine.abort(handle.seq_id)
 
     def _run(self) -> None:
+        use_compute_threads()         # the one thread of this process that computes with several (kvflow/threads.py)
         engine = self.engine
         while not self._stop.is_set():
             self._wake.clear()

@@ -1,0 +1,90 @@
+"""Which threads may run torch with several OpenMP threads: one long-lived thread per process.
+
+torch's CPU thread pool is libgomp's. A thread that runs a parallel region keeps its own team of worker threads
+until the thread exits. Once the process holds more OpenMP threads than it has CPUs, libgomp throttles: its
+workers stop spinning at barriers almost at once (about 100 spins instead of about 300 000) and sleep on a
+futex, so every parallel region pays a wake-up. Measured on the 2-vCPU box with torch 2.13: a small elementwise
+op went from 11 us to 104 us, and a served prefill step of the ``tiny`` preset took about twice its in-process
+time, when a second team existed beside the engine thread's, even while that team sat idle. A second team
+exists as soon as the main thread has loaded a model, or an I/O thread has copied a large tensor.
+
+Hence three rules:
+
+- the thread that computes (the serving engine's thread; the main thread of a benchmark or of a pipeline stage)
+  runs with :func:`compute_threads` threads;
+- every other long-lived thread that may touch tensors (restore worker, executor I/O, pool writer, connector
+  loads) calls :func:`single_threaded` first, so its ops run in that thread and form no team;
+- set-up on a thread that is not the computing one (model load, profiling, engine build before serving) runs in
+  :func:`in_fresh_thread`: its team ends with that thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+_compute: int | None = None
+
+
+def set_compute_threads(n: int) -> None:
+    """Record how many threads the computing thread uses (load_model: $KVFLOW_TORCH_THREADS or torch's default)."""
+    global _compute
+    _compute = max(1, int(n))
+
+
+def compute_threads() -> int:
+    """Threads for the computing thread: what load_model resolved, else the CPUs this process may run on."""
+    if _compute is not None:
+        return _compute
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def use_compute_threads() -> None:
+    """Call at the start of the thread that computes when it is not the main thread (the engine loop)."""
+    import torch
+
+    torch.set_num_threads(compute_threads())
+
+
+def single_threaded() -> None:
+    """Call at the start of a helper thread: torch ops in it run without an OpenMP team. Leaves other threads'
+    counts alone (torch's count is per thread for OpenMP and MKL); a no-op where torch was never imported."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
+def single_threaded_run(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` as a helper thread's target: :func:`single_threaded`, then ``fn``."""
+    def run(*args, **kwargs) -> T:
+        single_threaded()
+        return fn(*args, **kwargs)
+    return run
+
+
+def in_fresh_thread(fn: Callable[..., T], *args, **kwargs) -> T:
+    """``fn(*args, **kwargs)`` on a new thread, with the computing thread's count, that ends when it returns (its
+    result, or its exception re-raised here): the OpenMP team its torch ops formed ends with it."""
+    box: list = []
+
+    def run() -> None:
+        try:
+            use_compute_threads()
+            box.append((True, fn(*args, **kwargs)))
+        except BaseException as err:  # re-raised on the caller's thread
+            box.append((False, err))
+
+    thread = threading.Thread(target=run, name="kvflow-setup")
+    thread.start()
+    thread.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
