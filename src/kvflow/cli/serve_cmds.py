@@ -224,7 +224,8 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
             def paired(name: str, k: str) -> list[float]:           # round i against the peer's round i
                 return [a[1][k] / b[1][k] for a, b in zip(rounds_of[name], rounds_of[peer])]
             results["vs_peer"] = {name: {**{f"{k}_ratio": results["runs"][name]["summary"][k] / ref[k]
-                                            for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s")},
+                                            for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "later_ttft_p99_s",
+                                                      "later_ttft_mean_s")},
                                          "rounds_ttft_p99_ratio": paired(name, "ttft_p99_s"),
                                          "rounds_ttft_mean_ratio": paired(name, "ttft_mean_s")}
                                   for name in names}
@@ -234,7 +235,8 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
     save_figure(folder / "ttft_cdf.png", draw_cdf(runs, title))
     footer = f"results in {folder} (results.json, ttft_cdf.png)"
     if "vs_peer" in results:
-        ratios = ", ".join(f"{n} P99 {v['ttft_p99_s_ratio']:.2f}x mean {v['ttft_mean_s_ratio']:.2f}x"
+        ratios = ", ".join(f"{n} P99 {v['ttft_p99_s_ratio']:.2f}x mean {v['ttft_mean_s_ratio']:.2f}x "
+                           f"(later turns P99 {v['later_ttft_p99_s_ratio']:.2f}x)"
                            for n, v in results["vs_peer"].items())
         footer = (f"TTFT vs {peer}: {ratios}; same prompt ids on both: {results['same_prompts']}\n" + footer)
     report(results, folder, [(title, rows)], as_json, footer)
