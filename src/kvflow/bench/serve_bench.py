@@ -153,6 +153,7 @@ class Session:
     system: str | None
     turns: list[tuple[str, str, float]]
     keep_history: bool = True
+    first_round: int = 0            # docqa: a question's index on its document (later turns: > 0)
 
 
 @dataclass(slots=True)
@@ -218,8 +219,8 @@ def sessions(w: ChatWorkload) -> list[Session]:
     times = _arrivals(rng, len(asks), w.rate)
     question = [[_text(random.Random(w.seed * 131 + d * 97 + q), w.user_tokens) for q in range(w.rounds)]
                 for d in range(w.docs)]
-    return [Session(t, None, [("user", f"{docs[d]}\n\nQuestion {q}: {question[d][q]}", 0.0)], keep_history=False)
-            for t, (d, q) in zip(times, asks)]
+    return [Session(t, None, [("user", f"{docs[d]}\n\nQuestion {q}: {question[d][q]}", 0.0)], keep_history=False,
+                    first_round=q) for t, (d, q) in zip(times, asks)]
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -265,7 +266,7 @@ async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "u
         history = [{"role": "system", "content": s.system}] if s.system is not None else []
         for k, (role, content, think) in enumerate(s.turns):
             messages = history + [{"role": role, "content": content}]
-            rec = TurnRecord(u, k)
+            rec = TurnRecord(u, s.first_round + k)
             records.append(rec)
             last, answer, answer_ids = None, [], []
             if tokenizer is not None:
