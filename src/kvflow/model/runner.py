@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -28,7 +29,7 @@ import xxhash
 from kvflow.config import env_int
 from kvflow.errors import ModelError
 from kvflow.model.presets import PRESETS, build_config, parse_name
-from kvflow.threads import set_compute_threads
+from kvflow.threads import compute_threads, set_compute_threads
 
 # Grouped-query attention with an explicit mask: let SDPA broadcast K/V heads (enable_gqa) instead of
 # transformers materialising repeated K/V per call — same numbers, up to 4x faster attention at 8K+ on CPU.
@@ -286,13 +287,17 @@ def max_threads() -> int:
     return max(64, 4 * (os.cpu_count() or 1))
 
 
-_DEFAULT_THREADS = torch.get_num_threads()    # torch's own choice, read on import before any thread changes it
+set_compute_threads(torch.get_num_threads())    # torch's own choice, read on import before a helper thread sets 1
 
 
 def _resolve_threads() -> None:
-    """$KVFLOW_TORCH_THREADS or torch's default, for this thread and as the computing thread's count
-    (kvflow/threads.py)."""
-    threads = env_int("KVFLOW_TORCH_THREADS", 1, max_threads()) or _DEFAULT_THREADS   # checked before torch sees it
+    """$KVFLOW_TORCH_THREADS, else on the main thread its count (torch's default or the caller's own choice), on
+    another (a set-up thread) the computing thread's: applied to this thread and recorded as the computing thread's
+    count (kvflow/threads.py)."""
+    threads = env_int("KVFLOW_TORCH_THREADS", 1, max_threads())    # checked before torch sees it
+    if not threads:
+        threads = torch.get_num_threads() if threading.current_thread() is threading.main_thread() else \
+            compute_threads()
     torch.set_num_threads(threads)
     set_compute_threads(threads)
 
