@@ -3,7 +3,9 @@ the step's segments it is transformers' sdpa; the model's attention setting is b
 
 import types
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
 from kvflow.engine.attention import Segment, packed_attention, segment_mask
@@ -82,6 +84,7 @@ def test_a_long_chunk_runs_in_row_blocks_with_the_same_result(monkeypatch):
     """A chunk's rows go to SDPA in blocks bounded by MASK_ELEMENTS; each row's softmax is its own, so the output is
     the one-call output."""
     from kvflow.engine import attention
+    monkeypatch.setattr(attention, "splits_at_the_chunk", lambda *a: False)   # the masked path (windows take it)
     q, k, v = qkv(40, 100)                 # 40 queries at positions 60..99 over keys 0..99
     cache = PagedKVCache(1, 100, 1, 2, 16)
     cache.write(0, torch.arange(100), k, v)
@@ -93,3 +96,17 @@ def test_a_long_chunk_runs_in_row_blocks_with_the_same_result(monkeypatch):
     blocks, _ = packed_attention(MODULE, q, k, v, None, scaling=0.25, kvflow_segments=segs, kvflow_windows=[None],
                                  kvflow_cache=cache)
     assert torch.allclose(whole, blocks, atol=1e-6)
+
+
+@pytest.mark.parametrize("hq,kvh,start,n", [(8, 2, 100, 37), (4, 4, 1, 2), (14, 2, 1024, 512)])
+def test_a_continuing_chunk_as_prefix_plus_diagonal_equals_one_masked_call(hq, kvh, start, n):
+    """Prefix keys seen whole + the chunk's own keys causal, merged by log-sum-exp: the masked softmax, GQA or not."""
+    from kvflow.engine.attention import prefix_plus_diagonal, splits_at_the_chunk
+    g = torch.Generator().manual_seed(start)
+    q = torch.randn(1, n, hq, 32, generator=g).transpose(1, 2)      # transformers' layout: not contiguous
+    k, v = (torch.randn(1, kvh, start + n, 32, generator=g) for _ in range(2))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=segment_mask(start, n, None), enable_gqa=hq != kvh,
+                                         scale=0.2)
+    assert splits_at_the_chunk(q, start, n, None)
+    assert not splits_at_the_chunk(q, start, n, 64) and not splits_at_the_chunk(q, 0, n, None)
+    assert (prefix_plus_diagonal(q, k, v, start, 0.2) - ref).abs().max() <= 1e-5
