@@ -37,7 +37,8 @@ def set_compute_threads(n: int) -> None:
 
 
 def compute_threads() -> int:
-    """Threads for the computing thread: what load_model resolved, else the CPUs this process may run on."""
+    """Threads for the computing thread: what load_model resolved (torch's default from the import of
+    kvflow.model.runner on), else the CPUs this process may run on."""
     if _compute is not None:
         return _compute
     try:

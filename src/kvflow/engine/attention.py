@@ -132,15 +132,14 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         k, v = kvflow_cache.gather(layer, s.read)
         if splits_at_the_chunk(query, s.start, s.q1 - s.q0, window):
             outs.append(prefix_plus_diagonal(query[:, :, s.q0:s.q1], k, v, s.start, scaling))
-            del k, v
-            continue
-        for r0, r1 in row_blocks(s.start, s.q1 - s.q0, window):
-            end = s.start + r1                       # keys [0, end) are the ones these rows may see
-            mask = masks.get((i, r0, window), s.start + r0, r1 - r0, window)
-            causal = mask is None and r1 - r0 > 1
-            outs.append(F.scaled_dot_product_attention(query[:, :, s.q0 + r0:s.q0 + r1], k[:, :, :end], v[:, :, :end],
-                                                       attn_mask=mask, is_causal=causal, scale=scaling,
-                                                       enable_gqa=gqa))
+        else:
+            for r0, r1 in row_blocks(s.start, s.q1 - s.q0, window):
+                end = s.start + r1                   # keys [0, end) are the ones these rows may see
+                mask = masks.get((i, r0, window), s.start + r0, r1 - r0, window)
+                causal = mask is None and r1 - r0 > 1
+                outs.append(F.scaled_dot_product_attention(query[:, :, s.q0 + r0:s.q0 + r1], k[:, :, :end],
+                                                           v[:, :, :end], attn_mask=mask, is_causal=causal,
+                                                           scale=scaling, enable_gqa=gqa))
         del k, v                          # freed before the next segment's gather
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
