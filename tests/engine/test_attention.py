@@ -44,6 +44,23 @@ def test_each_segment_attends_only_to_its_own_keys():
     assert torch.allclose(out, torch.cat([a, b], 2).transpose(1, 2), atol=1e-6)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_decode_over_scattered_blocks_equals_sdpa_over_its_keys(window, monkeypatch):
+    """One query gathered from out-of-order blocks (block size 4, a partial last block) and run as two matmuls:
+    SDPA over the same keys, its window applied."""
+    from kvflow.engine import attention
+    monkeypatch.setattr(attention, "ONE_QUERY_KEYS", 1)
+    q, k, v = qkv(1, 11, seed=3)         # position 10 over keys 0..10, in blocks 5, 2, 0 (3 of 4 used)
+    cache = PagedKVCache(1, 6, 4, 2, 16)
+    cache.write(0, cache.slots([5, 2, 0], 0, 11), k, v)
+    segs = [Segment(0, 1, 10, cache.blocks([5, 2, 0], 11))]
+    out, _ = packed_attention(MODULE, q, k[:, :, 10:], v[:, :, 10:], None, scaling=0.25, kvflow_segments=segs,
+                              kvflow_windows=[window], kvflow_cache=cache)
+    seen = 0 if window is None else 11 - window
+    ref = F.scaled_dot_product_attention(q, k[:, :, seen:], v[:, :, seen:], scale=0.25, enable_gqa=True)
+    assert (out - ref.transpose(1, 2)).abs().max() <= 1e-6
+
+
 def test_a_window_hides_keys_older_than_the_window():
     m = segment_mask(4, 2, window=3)
     assert m.tolist() == [[False, False, True, True, True, False], [False, False, False, True, True, True]]
@@ -64,8 +81,8 @@ def test_a_step_holds_one_sequences_gathered_kv_at_a_time(tiny, monkeypatch):
     live, peak, sizes = [0], [0], []
     original = PagedKVCache.gather
 
-    def gather(self, layer, slots):
-        k, v = original(self, layer, slots)
+    def gather(self, layer, blocks, end):
+        k, v = original(self, layer, blocks, end)
         n = k.numel() + v.numel()
         sizes.append(n)
         live[0] += n

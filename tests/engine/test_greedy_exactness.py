@@ -38,6 +38,14 @@ def test_four_concurrent_requests_are_batched_and_each_equals_generate(tiny):
     assert engine.stats.steps <= MAX + 1
 
 
+def test_decodes_over_long_contexts_as_two_matmuls_equal_generate(tiny, monkeypatch):
+    """Decodes past ONE_QUERY_KEYS keys take the matmul path (attention.one_query), batched, over blocks of 8."""
+    from kvflow.engine import attention
+    monkeypatch.setattr(attention, "ONE_QUERY_KEYS", 16)
+    engine = LLMEngine(tiny, EngineConfig(block_size=8))
+    assert_greedy(tiny, engine, [ids(n, 30 + n) for n in (9, 23, 41)])
+
+
 @pytest.mark.parametrize("budget,block", [(7, 4), (16, 16), (3, 5)])
 def test_a_small_token_budget_prefills_in_chunks_across_many_steps(tiny, budget, block):
     engine = LLMEngine(tiny, EngineConfig(block_size=block, max_num_batched_tokens=budget))

@@ -130,3 +130,22 @@ def test_kv_block_round_trip_layout(tiny):
     other.write_block(block, (10, 60), (1, 3))
     assert torch.equal(other.keys[2][0, :, 10:60], cache.keys[2][0, :, 10:60])
     assert torch.equal(other.values[1][0, :, 10:60], cache.values[1][0, :, 10:60])
+
+
+def test_a_continuing_chunk_attends_without_a_mask_except_under_a_window(families, monkeypatch):
+    """Chunks at start > 0 of windowless layers take the prefix + diagonal split (model/attention.py); a chunk from
+    position 0, a single query and sliding-window layers keep SDPA — and the model's attention setting is kvflow's."""
+    from kvflow.model import attention
+    calls = []
+    real = attention.prefix_plus_diagonal
+    monkeypatch.setattr(attention, "prefix_plus_diagonal", lambda *a: calls.append(a[3]) or real(*a))
+    for family, want in (("llama", [40] * 4), ("mistral-sliding", [])):
+        runner, ids = families[family], _ids(61, 7)
+        assert runner.config._attn_implementation == attention.NAME
+        calls.clear()
+        cache = runner.new_cache(61)
+        runner.prefill_range(cache, ids[:40], 0)
+        runner.prefill_range(cache, ids[40:60], 40)
+        hidden = runner.prefill_range(cache, ids[60:], 60)
+        assert calls == want, family
+        _assert_exact(runner, cache, 61, runner.logits(hidden), ids)

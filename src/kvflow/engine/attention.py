@@ -2,38 +2,36 @@
 
 The step's tokens are packed into one row (model_runner.py); the decoder layers are the model's own. A single
 masked SDPA over the packed row would compute every query against every sequence's keys and throw most of it
-away (a 512-token prefill chunk next to 7 decodes at 1.5K context would do 8x the attention it needs). So during
-a step the model's attention implementation is switched to ``kvflow_packed``, registered with transformers'
-AttentionInterface: it runs SDPA once per sequence on that sequence's slice of the queries and that sequence's
-keys, gathered from the paged cache just before (and freed just after): a step never holds more than one
-sequence's gathered K/V of one layer, however many sequences it batches — which is what bounds the activation
-reserve (reserve.py) by the longest sequence, not by the batch. Without the step's ``kvflow_segments`` argument it
-is transformers' own ``sdpa`` (same function, same arguments), so anything else that calls the model in the
-meantime gets exactly what it would have.
+away (a 512-token prefill chunk next to 7 decodes at 1.5K context would do 8x the attention it needs). So a step
+hands the model's attention (model/attention.py) ``kvflow_attend=packed_attention`` with its segments: it runs
+attention once per sequence on that sequence's slice of the queries and that sequence's keys, gathered from the
+paged cache just before (and freed just after): a step never holds more than one sequence's gathered K/V of one
+layer, however many sequences it batches — which is what bounds the activation reserve (reserve.py) by the
+longest sequence, not by the batch. Without ``kvflow_segments`` it is transformers' own ``sdpa`` (same function,
+same arguments).
 
 A chunk that continues its sequence on the CPU (no window) runs as prefix + causal diagonal block, merged by
-log-sum-exp (``prefix_plus_diagonal``): no mask is built.
+log-sum-exp (``model/attention.py``, shared with the model runner's chunked prefills): no mask is built.
 
-    query  [1, Hq, T_step, D]    segment s: rows   [q0, q1)   positions [start, start + n)
-    cache  PagedKVCache          segment s: slots  ``read``   positions [0, start + n)
+A decode (one query) over a long context is two small matmuls (``one_query``), not SDPA.
+
+    query  [1, Hq, T_step, D]    segment s: rows    [q0, q1)    positions [start, start + n)
+    cache  PagedKVCache          segment s: blocks  ``blocks``  positions [0, start + n)
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
 
-NAME = "kvflow_packed"
-
+from kvflow.model.attention import prefix_plus_diagonal, splits_at_the_chunk
 
 MASK_ELEMENTS = 1 << 20      # queries x keys of one masked SDPA call at most: a long chunk runs in blocks of rows
 MASK_CACHE_BYTES = 8 << 20   # masks kept for the step's other layers up to this many bytes (beyond: rebuilt)
+ONE_QUERY_KEYS = 768         # a decode over at least this many keys runs as two matmuls (one_query), else SDPA
 
 
 @dataclass(slots=True)
@@ -41,7 +39,7 @@ class Segment:
     q0: int
     q1: int
     start: int           # position of the sequence's first query (its rows are positions start .. start + n - 1)
-    read: torch.Tensor   # cache slots of the sequence's positions [0, start + n) (the step's own K/V written first)
+    blocks: torch.Tensor  # block ids of the sequence's positions [0, start + n) (the step's own K/V written first)
 
 
 def segment_mask(start: int, n: int, window: int | None) -> torch.Tensor | None:
@@ -56,37 +54,20 @@ def segment_mask(start: int, n: int, window: int | None) -> torch.Tensor | None:
     return allowed
 
 
-# torch's CPU flash kernel, which also returns each row's log-sum-exp (not exposed by F.scaled_dot_product_attention)
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+def one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """A decode's one query over all of its keys as two small matmuls: a KV head's query heads are the rows of one
+    [groups, D] x [D, T] product, so K/V are read once and never repeated per query head. SDPA's CPU kernels
+    parallelise over query heads x query blocks — for one query that is 8 work items of a few microseconds each,
+    and they took ~300 us a call at 4K keys against ~150 us for this (``tiny``, memory-bound either way); below
+    ~768 keys SDPA's one call beats these four (18 vs 40 us at 64 keys), so shorter decodes stay on SDPA.
 
-
-def splits_at_the_chunk(query: torch.Tensor, start: int, n: int, window: int | None) -> bool:
-    """A chunk continuing a sequence (start > 0, no window, on the CPU) runs as prefix + diagonal, without a mask."""
-    return _FLASH_CPU is not None and query.device.type == "cpu" and window is None and start > 0 and n > 1
-
-
-def prefix_plus_diagonal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                         scale: float | None) -> torch.Tensor:
-    """Queries at positions [start, start + n) over keys [0, start + n): the prefix [0, start), which every query
-    sees whole (no mask), and the chunk's own keys, causal from its first row, each one flash call; the two are
-    merged by their rows' log-sum-exp — the softmax of one masked call over all the keys, without building the mask
-    (a masked call also costs 10-25% more per call on this CPU at 0.5K-4K keys).
-
-        q [1, Hq, n, D]   k, v [1, Hkv, start + n, D]   ->   [1, Hq, n, D]
+        q [1, Hq, 1, D]   k, v [1, Hkv, T, D]   ->   [1, Hq, 1, D]
     """
-    _, hq, n, d = q.shape
+    _, hq, _, d = q.shape
     kvh = k.shape[1]
-    groups = hq // kvh
-    # the prefix: a KV head's query heads stacked as rows (every row sees every prefix key), so K/V are not copied
-    o1, l1 = _FLASH_CPU(q.reshape(1, kvh, groups * n, d), k[:, :, :start], v[:, :, :start], scale=scale)[:2]
-    kd, vd = k[:, :, start:], v[:, :, start:]
-    if groups > 1:
-        kd, vd = kd.repeat_interleave(groups, 1), vd.repeat_interleave(groups, 1)
-    o2, l2 = _FLASH_CPU(q, kd, vd, is_causal=True, scale=scale)[:2]
-    o1, l1 = o1.reshape(1, hq, n, d), l1.reshape(1, hq, n)
-    top = torch.maximum(l1, l2)
-    w1, w2 = (l1 - top).exp_().unsqueeze(-1), (l2 - top).exp_().unsqueeze(-1)
-    return (o1 * w1 + o2 * w2) / (w1 + w2)
+    scores = torch.matmul(q.reshape(kvh, hq // kvh, d), k[0].transpose(1, 2))        # [Hkv, groups, T]
+    scores.mul_(d ** -0.5 if scale is None else scale)
+    return torch.matmul(torch.softmax(scores, dim=-1), v[0]).reshape(1, hq, 1, d)
 
 
 def row_blocks(start: int, n: int, window: int | None = None) -> list[tuple[int, int]]:
@@ -129,11 +110,15 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     masks = StepMasks() if kvflow_masks is None else kvflow_masks
     outs = []
     for i, s in enumerate(kvflow_segments):
-        k, v = kvflow_cache.gather(layer, s.read)
-        if splits_at_the_chunk(query, s.start, s.q1 - s.q0, window):
+        n = s.q1 - s.q0
+        k, v = kvflow_cache.gather(layer, s.blocks, s.start + n)
+        if n == 1 and s.start + 1 >= ONE_QUERY_KEYS:
+            seen = 0 if window is None else max(0, s.start + 1 - window)      # a window hides keys older than it
+            outs.append(one_query(query[:, :, s.q0:s.q1], k[:, :, seen:], v[:, :, seen:], scaling))
+        elif splits_at_the_chunk(query, s.start, n, window):
             outs.append(prefix_plus_diagonal(query[:, :, s.q0:s.q1], k, v, s.start, scaling))
         else:
-            for r0, r1 in row_blocks(s.start, s.q1 - s.q0, window):
+            for r0, r1 in row_blocks(s.start, n, window):
                 end = s.start + r1                   # keys [0, end) are the ones these rows may see
                 mask = masks.get((i, r0, window), s.start + r0, r1 - r0, window)
                 causal = mask is None and r1 - r0 > 1
@@ -142,18 +127,3 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
                                                            scale=scaling, enable_gqa=gqa))
         del k, v                          # freed before the next segment's gather
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(NAME, packed_attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)        # a whole-model call meanwhile builds sdpa's masks
-
-
-@contextmanager
-def packed(config):
-    """Route ``config``'s attention through :func:`packed_attention` for the duration of one step."""
-    previous = config._attn_implementation
-    config._attn_implementation = NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.engine.attention import Segment, StepMasks, packed
+from kvflow.engine.attention import Segment, StepMasks, packed_attention
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.model.runner import ModelRunner
 
@@ -66,22 +66,22 @@ class BatchRunner:
             n, end = len(it.token_ids), it.start + len(it.token_ids)
             ids.extend(it.token_ids)
             qpos.append(torch.arange(it.start, end))
-            read = cache.slots(it.block_table, 0, end)
-            write.append(read[it.start:])
-            segments.append(Segment(q0, q0 + n, it.start, read))
+            write.append(cache.slots(it.block_table, it.start, end))
+            segments.append(Segment(q0, q0 + n, it.start, cache.blocks(it.block_table, end)))
             q0 += n
             if it.sample:
                 last.append(q0 - 1)
         slot, masks = _StepSlot(cache, torch.cat(write)), StepMasks()
-        with torch.inference_mode(), packed(self.runner.hf_model.config):
+        with torch.inference_mode():
             hidden = self._base.embed_tokens(torch.tensor(ids, dtype=torch.long).view(1, -1))
             position_ids = torch.cat(qpos).view(1, -1)
             position_embeddings = self._base.rotary_emb(hidden, position_ids)
             for module in self.runner.layers:
                 hidden = module(hidden, attention_mask=None, position_ids=position_ids,
                                 position_embeddings=position_embeddings, use_cache=True,
-                                kvflow_segments=segments, kvflow_windows=self._windows, kvflow_cache=cache,
-                                kvflow_masks=masks, **{self._cache_kw: slot})
+                                kvflow_attend=packed_attention, kvflow_segments=segments,
+                                kvflow_windows=self._windows, kvflow_cache=cache, kvflow_masks=masks,
+                                **{self._cache_kw: slot})
                 if isinstance(hidden, tuple):
                     hidden = hidden[0]
             if not last:

@@ -4,7 +4,8 @@
                          ^-- slot = block_id * block_size + position % block_size
 
 A sequence's position p lives in slot ``block_table[p // block_size] * block_size + p % block_size``. Gathering a
-sequence's K/V of one layer is one ``index_select`` over slots; writing a step's new K/V is one ``index_copy_``.
+sequence's K/V of one layer is one ``index_select`` over its blocks; writing a step's new K/V is one
+``index_copy_`` over slots.
 Out of this module K/V leave in the transformers layout [1, kv_heads, T, head_dim] (canonical, model/runner.py).
 """
 
@@ -44,13 +45,21 @@ class PagedKVCache:
         self.kv[layer, 0].index_copy_(0, slots, k[0].transpose(0, 1))
         self.kv[layer, 1].index_copy_(0, slots, v[0].transpose(0, 1))
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of ``slots`` as [1, H, len(slots), D]."""
-        # one index_select over the slot dim of [2, slots, H, D]: K and V in one copy. As fast as two over dim 0 of
-        # [slots, H, D] on an idle machine, but with a neighbour on the cores those took ~0.5 ms each at 600 slots
-        # (their 2-thread kernel waits for the slower thread) against ~20 us for this one.
-        kv = self.kv[layer].index_select(1, slots)
-        return kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
+    def blocks(self, block_table: list[int], end: int) -> torch.Tensor:
+        """Block ids holding positions [0, end)."""
+        return torch.as_tensor(block_table[:(end + self.block_size - 1) // self.block_size], dtype=torch.long)
+
+    def gather(self, layer: int, blocks: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions [0, end) held in ``blocks`` (in order) as [1, H, end, D].
+
+        Whole blocks are copied, K's and V's in one ``index_select`` over rows of block_size x H x D elements: a
+        decode step's 8 x 3K-token gathers of ``tiny`` take 2.5 ms this way against 6.7 ms slot by slot (rows of
+        H x D). One call, not one per K and V: with a neighbour on the cores every 2-thread kernel waits for the
+        slower thread, so fewer calls is what keeps a gather cheap on a busy machine."""
+        nb, h, d = self.num_blocks, self.kv_heads, self.head_dim
+        rows = self.kv[layer].view(2 * nb, -1)                           # [K blocks; V blocks]
+        both = rows.index_select(0, torch.cat([blocks, blocks + nb])).view(2, -1, h, d)[:, :end]
+        return both[0].transpose(0, 1).unsqueeze(0), both[1].transpose(0, 1).unsqueeze(0)
 
     def write_sequence(self, block_table: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], start: int,
                        end: int) -> None:
@@ -61,8 +70,8 @@ class PagedKVCache:
 
     def read_sequence(self, block_table: list[int], end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (k, v) [1, H, end, D] of positions [0, end) (copies)."""
-        slots = self.slots(block_table, 0, end)
-        return [self.gather(layer, slots) for layer in range(self.num_layers)]
+        blocks = self.blocks(block_table, end)
+        return [self.gather(layer, blocks, end) for layer in range(self.num_layers)]
 
     def read_block(self, block_table: list[int], tokens: tuple[int, int], layers: tuple[int, int]) -> torch.Tensor:
         """Canonical KV block [n_layers, 2, H, T, D] of positions ``tokens`` and ``layers`` (a pool record)."""

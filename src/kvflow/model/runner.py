@@ -28,6 +28,8 @@ import xxhash
 
 from kvflow.config import env_int
 from kvflow.errors import ModelError
+from kvflow.model import attention
+from kvflow.model.attention import splits_at_the_chunk
 from kvflow.model.presets import PRESETS, build_config, parse_name
 from kvflow.threads import compute_threads, set_compute_threads
 
@@ -116,6 +118,7 @@ class ModelRunner:
         self.hf_model = hf_model.eval()
         self.name = name
         self.config = hf_model.config
+        self.config._attn_implementation = attention.NAME     # sdpa unless a call asks for more (model/attention.py)
         base = getattr(hf_model, "model", None)
         needed = ("embed_tokens", "layers", "norm", "rotary_emb")
         if base is None or not all(hasattr(base, a) for a in needed) or not hasattr(hf_model, "lm_head"):
@@ -212,6 +215,7 @@ class ModelRunner:
         l0, l1 = layers
         end = start + hidden.shape[1]
         assert 0 <= l0 <= l1 <= self.num_layers and end <= cache.capacity, (layers, start, end, cache.capacity)
+        split = splits_at_the_chunk(hidden, start, end - start, None)    # windowless layers: no mask (attention.py)
         with torch.inference_mode():
             position_ids = torch.arange(start, end).view(1, -1)
             position_embeddings = self._base.rotary_emb(hidden, position_ids)
@@ -220,9 +224,10 @@ class ModelRunner:
             for layer in range(l0, l1):
                 window = self._windows[layer]
                 if window not in masks:
-                    masks[window] = self._mask(start, end, window)
+                    masks[window] = None if split and window is None else self._mask(start, end, window)
                 hidden = self.layers[layer](hidden, attention_mask=masks[window], position_ids=position_ids,
                                             position_embeddings=position_embeddings, use_cache=True,
+                                            kvflow_start=start if split and window is None else None,
                                             **{self._cache_kw: slot})
                 if isinstance(hidden, tuple):  # transformers versions whose layers return (hidden, ...)
                     hidden = hidden[0]
