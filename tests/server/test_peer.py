@@ -145,8 +145,8 @@ class StandIn(VLLMPeer):
 
 
 def stand_in(tmp_path, mode: str) -> StandIn:
-    from kvflow.bench.serve_bench import _free_port
-    p = StandIn(tmp_path, tmp_path, "tiny", 64, 2048, 16, 512, _free_port(), log_path=tmp_path / "vllm.log")
+    from kvflow.net import free_port
+    p = StandIn(tmp_path, tmp_path, "tiny", 64, 2048, 16, 512, free_port(), log_path=tmp_path / "vllm.log")
     p.mode = mode
     return p
 

@@ -4,7 +4,6 @@ and stops on SIGINT."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,14 +14,9 @@ import openai
 import uvicorn
 
 from kvflow import KVPool, Restorer
+from kvflow.net import free_port
 from tests.engine.helpers import hf_greedy, ids, synthetic_cost
 from tests.server.helpers import MODEL, make_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(port: int, timeout: float = 90.0, proc=None) -> None:

@@ -23,11 +23,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from kvflow.bench.serve_bench import (ChatWorkload, LocalServer, kvflow_engine, longest_history_tokens,
-                                      median_summary, records_json, result_row, run_chat, sessions, summarize,
-                                      working_set_tokens)
+from functools import partial
+
+from kvflow.bench.server_process import ServerProcess, engine_for
+from kvflow.bench.serve_bench import (ChatWorkload, longest_history_tokens, median_summary, records_json,
+                                      result_row, run_chat, sessions, summarize, working_set_tokens)
 from kvflow.engine import EngineConfig
-from kvflow.threads import in_fresh_thread
+from kvflow.engine.tokenizer import ByteTokenizer
 
 STRATEGIES = ("recompute", "cacheflow")
 Tick = Callable[[int, int], None]          # (finished requests, total requests)
@@ -40,9 +42,12 @@ def budget_tokens(w: ChatWorkload, kv_share: float, block_size: int) -> int:
 
 def run_demo(runner, cost, w: ChatWorkload, *, home: str | Path, chunk_tokens: int, strategies=STRATEGIES,
              kv_share: float = 0.25, repeats: int = 2, check: bool = True, tick: Tick = lambda done, total: None,
-             ) -> tuple[dict, dict]:
+             model: str | None = None, seed: int = 0) -> tuple[dict, dict]:
     """Run the chat workload once per strategy per repeat (alternated); returns (results for JSON, TTFT records per
-    strategy for the CDF)."""
+    strategy for the CDF). Each configuration's server runs in a process of its own (bench/server_process.py),
+    built from ``model`` (default ``runner.name``) with weights ``seed``: the same weights as ``runner``, which the
+    check compares against."""
+    model = model or runner.name
     defaults = EngineConfig()
     block, step = defaults.block_size, defaults.max_num_batched_tokens
     ws = working_set_tokens(w)
@@ -58,20 +63,20 @@ def run_demo(runner, cost, w: ChatWorkload, *, home: str | Path, chunk_tokens: i
     for rep in range(repeats):
         order = list(strategies) if rep % 2 == 0 else list(reversed(strategies))   # neither always runs first
         for name in order:
-            engine = in_fresh_thread(kvflow_engine, runner, name, kv_tokens * kv, block, pool_bytes, chunk_tokens,
-                                     step, cost, str(pool_dir))     # no OpenMP team on this thread: threads.py
+            build = partial(engine_for, model, seed, strategy=name, kv_budget=kv_tokens * kv, block_size=block,
+                            pool_bytes=pool_bytes, chunk_tokens=chunk_tokens, max_num_batched_tokens=step, cost=cost,
+                            pool_dir=str(pool_dir))
             base = done
             try:
-                with LocalServer(engine, runner.name) as server:
+                with ServerProcess(build, model) as server:      # closes its pool when it stops
                     records, wall = asyncio.run(_drive(server, w, lambda n: tick(base + n, total)))
                     done = base + w.users * w.rounds
                     if check and name == "cacheflow" and rep == repeats - 1:
-                        exact = check_conversation(server.url, runner, engine.tokenizer, w,
+                        exact = check_conversation(server.url, runner, ByteTokenizer(runner.config.vocab_size), w,
                                                    lambda n: tick(done + n, total))
                         done += w.rounds
-                    rounds[name].append((records, summarize(records, wall), server.hit_split()))
+                rounds[name].append((records, summarize(records, wall), server.hit_split()))
             finally:
-                engine.pool.pool.close()
                 shutil.rmtree(pool_dir / f"serve-{name}", ignore_errors=True)
             tick(done, total)
     results = {"model": runner.name, "workload": {k: getattr(w, k) for k in w.__slots__},
@@ -90,15 +95,14 @@ def run_demo(runner, cost, w: ChatWorkload, *, home: str | Path, chunk_tokens: i
     return results, cdf
 
 
-async def _drive(server: LocalServer, w: ChatWorkload, tick: Callable[[int], None]):
+async def _drive(server: ServerProcess, w: ChatWorkload, tick: Callable[[int], None]):
     """run_chat, with the finished-request count reported every 0.2 s."""
-    stats = server.engine.stats
-    start = stats.finished
+    start = server.finished()
     work = asyncio.ensure_future(run_chat(server.url, server.model, w))
     while not work.done():
-        tick(stats.finished - start)
+        tick(server.finished() - start)
         await asyncio.wait([work], timeout=0.2)
-    tick(stats.finished - start)
+    tick(server.finished() - start)
     return work.result()
 
 

@@ -240,13 +240,13 @@ def running_peer(name: str, runner, served_name: str, kv_tokens: int, block_size
                  folder: Path, venv: Path, seed: int = 0, timeout_s: float = 600.0):
     """The peer serving ``runner``'s model for the block: checkpoint saved to a temporary folder, server started and
     warmed up (one short request, then the prefix cache emptied), always stopped and the checkpoint removed."""
-    from kvflow.bench.serve_bench import _free_port
+    from kvflow.net import free_port
 
     assert name in PEERS
     with tempfile.TemporaryDirectory(prefix="kvflow-peer-") as tmp:
         checkpoint = save_checkpoint(runner, Path(tmp) / "checkpoint")
         peer = VLLMPeer(venv, checkpoint, served_name, kv_tokens, runner.kv_bytes_per_token(), block_size,
-                        max_num_batched_tokens, _free_port(), seed=seed, log_path=folder / "vllm.log")
+                        max_num_batched_tokens, free_port(), seed=seed, log_path=folder / "vllm.log")
         with _sigterm_as_interrupt(), peer:
             peer.warm_up()
             yield peer

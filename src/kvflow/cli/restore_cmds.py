@@ -122,7 +122,7 @@ def demo(ctx: typer.Context,
     with progress_bar("chat requests") as bar:
         task = bar.add_task("chat requests (recompute and cacheflow, alternated)", total=None)
         results, cdf = run_demo(runner, cost, w, home=home, chunk_tokens=DEFAULT_CHUNK_TOKENS, kv_share=kv_share,
-                                repeats=repeats, check=check,
+                                repeats=repeats, check=check, model=model,
                                 tick=lambda done, total: bar.update(task, completed=done, total=total))
     results["wall_s"] = time.perf_counter() - t0
     save_figure(folder / "ttft_cdf.png", draw_cdf(cdf, f"{model} chat, KV {kv_share:g}x working set"))

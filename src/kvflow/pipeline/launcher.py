@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import torch
 
 from kvflow.cost.model import CostModel
 from kvflow.errors import KVFlowError
+from kvflow.net import free_port
 from kvflow.planner import PlannerConfig
 from kvflow.planner.pipeline import MODES, STAGE_STRATEGIES
 
@@ -140,7 +140,7 @@ class Pipeline:
         spec = {"model": self.model, "seed": self.seed, "dtype": self.dtype, "fingerprint": self.fingerprint,
                 "pool": _pool_dict(self.pool), "cost": asdict(self.cost), "planner": asdict(self.planner),
                 "threads": self.threads, "timeout_s": self.timeout_s, "world_size": world,
-                "init_method": f"tcp://127.0.0.1:{_free_port()}", "dir": str(workdir), "parent": os.getpid(),
+                "init_method": f"tcp://127.0.0.1:{free_port()}", "dir": str(workdir), "parent": os.getpid(),
                 "faults": self.faults, "contexts": contexts, "runs": run_specs}
         spec_path = workdir / "spec.json"
         spec_path.write_text(json.dumps(spec))
@@ -257,12 +257,6 @@ def _ids(tokens) -> list[int]:
 
 def _pool_dict(cfg) -> dict:
     return asdict(cfg)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _phase(workdir: Path, g: int) -> str:
