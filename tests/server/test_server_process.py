@@ -22,9 +22,8 @@ def test_a_benchmark_server_is_another_process_that_reports_its_hits_and_stops()
             r = httpx.post(f"{server.url}/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
                            timeout=120)
             assert r.status_code == 200, r.text
-        assert server.finished() == 2
-        proc = server._proc
-    assert not proc.is_alive()
+        assert server.finished() == 2 and server.is_alive()
+    assert not server.is_alive()
     assert server.hit_split()["resident"] > 0            # the second request reused the first one's blocks
 
 

@@ -349,7 +349,7 @@ def median_summary(summaries: list[dict]) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- in-process kvflow server
+# ------------------------------------------------------- the engine a benchmark server runs (server_process.py)
 def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, name: str = "pool",
                rho: float | None = None, recompute_rate: float | None = None):
     """An empty pool: in memory, or one extent file (+ index) under ``pool_dir`` (anything there before is removed);

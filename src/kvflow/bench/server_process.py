@@ -104,8 +104,9 @@ class ServerProcess:
     def __init__(self, build: Callable, model: str):
         self.build, self.model = build, model
         self.port = free_port()
-        self._conn, child = mp.get_context("spawn").Pipe()
-        self._proc = mp.get_context("spawn").Process(target=_child, args=(build, model, self.port, child),
+        spawn = mp.get_context("spawn")
+        self._conn, child = spawn.Pipe()
+        self._proc = spawn.Process(target=_child, args=(build, model, self.port, child),
                                                       daemon=True, name=f"kvflow-bench-server-{self.port}")
         self._child_conn = child
         self._final: dict | None = None
@@ -120,6 +121,9 @@ class ServerProcess:
             return self._final if cmd == "stats" else None
         self._conn.send(cmd)
         return self._conn.recv()
+
+    def is_alive(self) -> bool:
+        return self._proc.is_alive()
 
     def hit_split(self) -> dict:
         return self._ask("stats")

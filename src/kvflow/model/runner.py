@@ -223,12 +223,12 @@ class ModelRunner:
             masks: dict[int | None, torch.Tensor | None] = {}
             for layer in range(l0, l1):
                 window = self._windows[layer]
+                unmasked = split and window is None
                 if window not in masks:
-                    masks[window] = None if split and window is None else self._mask(start, end, window)
+                    masks[window] = None if unmasked else self._mask(start, end, window)
                 hidden = self.layers[layer](hidden, attention_mask=masks[window], position_ids=position_ids,
                                             position_embeddings=position_embeddings, use_cache=True,
-                                            kvflow_start=start if split and window is None else None,
-                                            **{self._cache_kw: slot})
+                                            kvflow_start=start if unmasked else None, **{self._cache_kw: slot})
                 if isinstance(hidden, tuple):  # transformers versions whose layers return (hidden, ...)
                     hidden = hidden[0]
         return hidden
