@@ -38,7 +38,7 @@ def test_beyond_the_probed_context_the_reserve_grows_at_least_by_the_gathered_kv
     from kvflow.engine import reserve
     from kvflow.engine.reserve import PROBE_CONTEXT
     monkeypatch.setattr(reserve, "_CACHE", {})
-    monkeypatch.setattr(reserve, "_step", lambda runner, tokens, seq_len, *a: 10_000 + probe_slope * seq_len)
+    monkeypatch.setattr(reserve, "_window", lambda runner, tokens, seq_len, *a, **k: 10_000 + probe_slope * seq_len)
     at = measure_activation_reserve(tiny, 64, max_model_len=PROBE_CONTEXT)
     far = measure_activation_reserve(tiny, 64, max_model_len=4 * PROBE_CONTEXT)
     per_key = 2 * tiny.kv_heads * tiny.head_dim * 4
@@ -70,7 +70,7 @@ def test_the_probe_step_samples_as_many_sequences_as_a_step_may(tiny, monkeypatc
     monkeypatch.setattr(BatchRunner, "execute", execute)
     monkeypatch.setattr(reserve, "_CACHE", {})
     measure_activation_reserve(tiny, 512, max_model_len=2048, max_num_seqs=64)
-    assert seen[-1] == (512, 64, 2048 - (512 - 63))
+    assert (512, 64, 2048 - (512 - 63)) in seen
 
 
 def test_weights_count_tied_parameters_once(tiny):
@@ -124,3 +124,50 @@ def test_an_elastic_engine_reports_the_blocks_its_reserve_lends(tiny):
     m = LLMEngine(tiny, EngineConfig(kv_budget=2**20, elastic_reserve=True)).memory
     assert 0 < m.elastic_blocks * m.block_bytes <= m.activation_reserve
     assert m.total == m.weights + m.activation_reserve + m.kv_blocks and "elastic blocks" in m.line()
+
+
+def test_the_probe_window_runs_a_fresh_prefill_a_chunk_half_way_and_one_at_the_end(tiny, monkeypatch):
+    """One window: the budget's tokens as a prompt's first chunk (from position 0), as a chunk ending half-way to the
+    longest sequence and at its end, each followed by a step of one-token decodes — back to back, as a run meets
+    them, so the heap the steps leave each other is measured too."""
+    from kvflow.engine import reserve
+    from kvflow.engine.model_runner import BatchRunner
+
+    seen = []
+    original = BatchRunner.execute
+
+    def execute(self, items):
+        seen.append([(i.start, len(i.token_ids)) for i in items if len(i.token_ids) > 1])
+        return original(self, items)
+
+    monkeypatch.setattr(BatchRunner, "execute", execute)
+    reserve._window(tiny, 256, 2048, tiny.hf_model.device, None, 4)
+    assert seen == [[(0, 253)], [], [(1152 - 253, 253)], [], [(2048 - 253, 253)], []]
+
+
+def test_the_reserve_is_the_highest_window_plus_the_spread_of_the_windows(tiny, monkeypatch):
+    """Identical windows read differently (the heap's state); the reserve adds their spread to the highest read."""
+    from kvflow.engine import reserve
+    reads = iter([100, 130, 90])
+    monkeypatch.setattr(reserve, "_CACHE", {})
+    monkeypatch.setattr(reserve, "_window", lambda runner, tokens, seq_len, device, probe, *a, **k:
+                        0 if probe is None else next(reads))             # None: the warm-up step
+    assert measure_activation_reserve(tiny, 64, max_model_len=64) == 130 + (130 - 90)
+
+
+@pytest.mark.parametrize("elastic,release,released", [(False, False, False), (False, True, True), (True, False, True)])
+def test_a_large_step_hands_freed_heap_back_where_the_budget_must_hold(tiny, monkeypatch, elastic, release, released):
+    """engine.release_heap (on with the elastic reserve) trims the heap after every step of >= TRIM_TOKENS tokens,
+    so each starts from the heap the probe measured from; off, nothing is trimmed (a step's re-faulted pages cost)."""
+    from kvflow.engine import engine as engine_mod
+    from kvflow.engine.sampling import SamplingParams
+    calls = []
+    monkeypatch.setattr(engine_mod, "release_freed_memory", lambda: calls.append(1))
+    cfg = EngineConfig(kv_budget=2**22, max_num_batched_tokens=512, activation_reserve="8M", elastic_reserve=elastic,
+                       release_heap=release)
+    cfg.validate()
+    engine = LLMEngine(tiny, cfg)
+    engine.add_request(list(range(1, 400)), SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    assert bool(calls) == released

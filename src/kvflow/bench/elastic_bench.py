@@ -14,7 +14,8 @@ ran). Measured:
         -> KV blocks, concurrent decodes (max / mean running), preemptions, decode tokens/s, long-prompt TTFT
     (d) take-back latency P50 / P99 (and blocks moved, sequences preempted) over every elastic run
     (e) peak resident memory of every run (sampled every few ms by a thread) above the process's resident memory
-        before the engine was built, against that run's budget: KV blocks + activation reserve
+        before the engine was built, against that run's budget: KV blocks + activation reserve. Every engine here
+        runs with ``engine.release_heap`` (as an elastic one always does): the budget is what is judged
 
 Everything runs on the engine thread of this process; numbers on a shared machine are noisy, which is why (a) gives
 the spread, not just a median.
@@ -22,7 +23,6 @@ the spread, not just a median.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import statistics
@@ -37,6 +37,7 @@ from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
 from kvflow.engine.engine import longest_sequence
 from kvflow.engine.elastic import activation_reserve
 from kvflow.engine.paged_cache import PagedKVCache
+from kvflow.engine.reserve import release_freed_memory
 from kvflow.errors import ConfigError
 
 Progress = Callable[[str], None]
@@ -98,13 +99,6 @@ class RssSampler:
         self.peak = max(self.peak, rss())
 
 
-def _trim() -> None:
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):         # not glibc
-        pass
-
-
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * _PAGE
@@ -119,7 +113,7 @@ def run_mixed(runner, cfg: EngineConfig, w: ElasticWorkload, *, decoders: int, d
     """One run: ``decoders`` decode (``decode_tokens`` each, None: until the long prompts are done), the long prompts
     arrive one after another. TTFTs, concurrency, decode throughput, elastic counters, peak RSS vs budget."""
     gc.collect()
-    _trim()                                   # glibc hands freed memory back, so ``before`` is not inflated
+    release_freed_memory()                    # glibc hands freed memory back, so ``before`` is not inflated
     vocab = runner.config.vocab_size
     before = rss()
     with RssSampler() as sampler:
@@ -209,6 +203,7 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
         order = list(w.budgets[r % len(w.budgets):] + w.budgets[:r % len(w.budgets)])
         for t in order:
             cfg = EngineConfig(block_size=bs, num_blocks=need, max_num_batched_tokens=t, max_num_seqs=SEQS,
+                               release_heap=True,
                                **_reserve_kw(reserves[t]))
             row = run_mixed(runner, cfg, w, decoders=w.decoders, decode_tokens=None, long_len=w.long_len,
                             long_prompts=w.long_prompts, seed=w.seed + r,
@@ -250,7 +245,8 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
         names = list(configs)[r % 3:] + list(configs)[:r % 3]
         for name in names:
             t = configs[name]["max_num_batched_tokens"]
-            cfg = EngineConfig(block_size=bs, max_num_seqs=SEQS, **_reserve_kw(c_reserve[t]), **configs[name])
+            cfg = EngineConfig(block_size=bs, max_num_seqs=SEQS, release_heap=True, **_reserve_kw(c_reserve[t]),
+                               **configs[name])
             row = run_mixed(runner, cfg, w, decoders=w.c_decoders, decode_tokens=w.c_tokens, long_len=w.c_long_len,
                             long_prompts=w.c_long_prompts, seed=w.seed + 100 + r,
                             reserve=c_reserve[t])

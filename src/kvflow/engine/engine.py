@@ -28,7 +28,8 @@ from kvflow.engine.elastic import ElasticReserve
 from kvflow.engine.model_runner import BatchRunner, StepItem
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.engine.pool_tier import PoolTier
-from kvflow.engine.reserve import MemoryBudget, measure_activation_reserve, weight_bytes
+from kvflow.engine.reserve import (TRIM_TOKENS, MemoryBudget, measure_activation_reserve, release_freed_memory,
+                                   weight_bytes)
 from kvflow.engine.sampling import SamplingError, SamplingParams, sample
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.sequence import Sequence, Status
@@ -116,6 +117,7 @@ class LLMEngine:
                                   runner.head_dim, runner.dtype, self.elastic.region.kv if self.elastic else None)
         self.blocks = BlockManager(self.num_blocks + len(lent), cfg.block_size, cfg.enable_prefix_caching, lent)
         self.batch_runner = BatchRunner(runner, self.cache)
+        self._release_heap = cfg.release_heap or cfg.elastic_reserve
         reserve = cfg.activation_reserve or measure_activation_reserve(
             runner, cfg.max_num_batched_tokens, max_model_len=longest, max_num_seqs=cfg.max_num_seqs)
         self.memory = MemoryBudget(weight_bytes(runner), reserve, self.num_blocks * per_block, self.num_blocks,
@@ -223,7 +225,10 @@ class LLMEngine:
         if items:
             step_logits = self.batch_runner.execute(items)
             logits.update((seq.seq_id, row) for seq, row in zip(sampled, step_logits))
-            self.stats.computed_tokens += sum(len(it.token_ids) for it in items)
+            computed = sum(len(it.token_ids) for it in items)
+            self.stats.computed_tokens += computed
+            if self._release_heap and computed >= TRIM_TOKENS:    # each large step starts from the heap the
+                release_freed_memory()                             # reserve's probe measured from (reserve.py)
             if len(items) > 1:
                 self.stats.decode_steps_batched += sum(1 for it in items if len(it.token_ids) == 1)
         for s in plan.scheduled:

@@ -5,8 +5,11 @@
 
 The reserve is what one engine step of ``max_num_batched_tokens`` tokens allocates beyond the weights and the KV
 blocks (hidden states, MLP intermediates, one sequence's gathered K/V of one layer, the chunk's attention mask and
-workspace, logits). It is *measured*: the worst such step — a chunk at the end of the longest sequence the engine
-holds — through the engine's own ``BatchRunner`` over a throw-away paged cache, and
+workspace, logits). It is *measured*: the steps such an engine runs — the budget's tokens as a prompt's first
+chunk, as a chunk half-way to the longest sequence the engine holds and at its end, with decode steps between them,
+back to back (one "window", see ``_window``) — through the engine's own ``BatchRunner`` over a throw-away paged
+cache. Three windows are run; the reserve is the highest peak plus the spread between the three (identical windows
+read apart by up to ~10% on CPU: glibc's heap keeps freed pages in a history-dependent layout). The peak is
 
 * on CPU: the process's peak resident memory during the step above its resident memory before it — glibc's free
   memory is handed back first (``malloc_trim``) and the kernel's high-water mark reset (``/proc/self/clear_refs``
@@ -14,10 +17,14 @@ holds — through the engine's own ``BatchRunner`` over a throw-away paged cache
 * on CUDA (written, not yet run on a GPU here): ``torch.cuda.max_memory_allocated`` minus the allocated bytes
   before the step, after ``reset_peak_memory_stats``.
 
+An engine whose budget must hold (``engine.release_heap``, on with the elastic reserve) trims the heap after every
+step of at least TRIM_TOKENS tokens, so each large step starts from the trimmed heap a window starts from; off by
+default, since the pages handed back are faulted in again by the next step (a few % of a prefill step's time).
+
 The CPU reading is process-wide: taken at start-up, before other threads of the engine run. Where it cannot be
 taken (no ``/proc/self/clear_refs``: not Linux, a locked-down container) the reserve is the advisor's shape formula
-(docs/ADVISOR.md) and a warning says so. Measurements are cached per (model fingerprint, token budget, longest sequence, device, torch threads) for the
-process, so every engine of one model and budget measures once.
+(docs/ADVISOR.md) and a warning says so. Measurements are cached per (model fingerprint, token budget, longest
+sequence, device, torch threads) for the process, so every engine of one model and budget measures once.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ import torch
 
 log = logging.getLogger("kvflow.engine")
 _CACHE: dict[tuple, int] = {}
+try:
+    _LIBC = ctypes.CDLL(None)
+except OSError:          # no C library to ask (not a glibc process): nothing to trim
+    _LIBC = None
 _WARMUP_TOKENS = 16      # a first small step: lazy kernel/thread-pool set-up is not part of the reserve
 
 
@@ -77,7 +88,7 @@ def weight_bytes(runner) -> int:
 
 
 PROBE_CONTEXT = 32768    # longest context a probe step runs at; beyond it the reserve is extrapolated (linear in keys)
-PROBE_REPEATS = 3        # each probe step runs this many times; its highest peak counts
+PROBE_WINDOWS = 3        # probe windows run (each from a trimmed heap); the reserve: their highest peak + their spread
 
 
 def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model_len: int | None = None,
@@ -101,10 +112,11 @@ def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model
     key = (runner.fingerprint, tokens, limit, seqs, str(device), torch.get_num_threads())
     if key not in _CACHE:
         probe = _CUDAPeak(device) if device.type == "cuda" else _HostPeak()
-        _step(runner, min(_WARMUP_TOKENS, tokens), min(limit, PROBE_CONTEXT), device, None, min(seqs, _WARMUP_TOKENS))
+        _window(runner, min(_WARMUP_TOKENS, tokens), min(limit, PROBE_CONTEXT), device, None, min(seqs, _WARMUP_TOKENS))
 
-        def peak(seq_len: int) -> int:     # the highest of three: a real step meets allocator growth now and then too
-            return max(_step(runner, tokens, seq_len, device, probe, seqs) for _ in range(PROBE_REPEATS))
+        def peak(seq_len: int) -> int:      # identical windows read apart by the heap's state: add their spread
+            reads = [_window(runner, tokens, seq_len, device, probe, seqs) for _ in range(PROBE_WINDOWS)]
+            return max(reads) + (max(reads) - min(reads))
 
         try:
             far = max(PROBE_CONTEXT, 2 * tokens)
@@ -129,13 +141,31 @@ def formula_reserve(runner, tokens: int) -> int:
     return activation_reserve(shape_from_config(runner.name, runner.config.to_dict()), tokens, 1, runner.dtype.itemsize)
 
 
-def _step(runner, tokens: int, seq_len: int, device, probe=None, seqs: int = 1, block_size: int = 16) -> int:
-    """Run one engine step of ``tokens`` new tokens in sequences of at most ``seq_len`` positions; the probe's peak.
+def _window(runner, tokens: int, seq_len: int, device, probe=None, seqs: int = 1, block_size: int = 16) -> int:
+    """One probe window: the step shapes a run of this engine meets, back to back, and the peak over all of them
+    from one start (0 without a probe). Shapes: the budget's tokens as a prompt's first chunk (from position 0), as
+    a chunk ending half-way to ``seq_len`` and as the last chunk of a ``seq_len`` sequence, each followed by a step
+    of one-token decodes. Nothing is handed back between the steps: glibc keeps the pages a step frees, and the
+    next step's other sizes do not always fit into them, so one clean step alone reads low (tiny, 4,096 tokens
+    at 20K keys: 61-85 MiB for one step; 86-95 MiB for a window; 85-101 MiB above the KV in `bench elastic`)."""
+    ends = sorted({(min(tokens, seq_len) + seq_len) // 2, seq_len})
+    steps = [_prepare(runner, tokens, min(tokens, seq_len), device, seqs, block_size, fresh=True)]
+    steps += [_prepare(runner, tokens, end, device, seqs, block_size) for end in ends]
+    decodes = _prepare(runner, seqs, seq_len, device, seqs, block_size)
+    if probe is not None:
+        probe.start()
+    for batch, items in steps:
+        batch.execute(items)
+        decodes[0].execute(decodes[1])
+    return probe.peak() if probe is not None else 0
+
+
+def _prepare(runner, tokens: int, seq_len: int, device, seqs: int, block_size: int, fresh: bool = False):
+    """One engine step of ``tokens`` new tokens in sequences of at most ``seq_len`` positions, ready to run.
     ``seqs - 1`` of the tokens are one-token sequences (every sequence of the step is sampled); the rest:
     ``>= seq_len``, whole sequences from position 0 (and a shorter last one); else one chunk, the last positions of
-    a ``seq_len`` context. The probe's KV is uninitialised memory nothing writes to but the
-    step (untouched pages are not resident) and the slots the step writes are touched before the probe starts:
-    KV is not reserve."""
+    a ``seq_len`` context. The step's KV is uninitialised memory nothing writes to but the step (untouched pages
+    are not resident), and the slots the step writes are touched here, before a probe starts: KV is not reserve."""
     from kvflow.engine.model_runner import BatchRunner, StepItem
     from kvflow.engine.paged_cache import PagedKVCache
 
@@ -144,7 +174,7 @@ def _step(runner, tokens: int, seq_len: int, device, probe=None, seqs: int = 1, 
     if rest >= seq_len:
         spans = [(0, seq_len)] * (rest // seq_len) + ([(0, rest % seq_len)] if rest % seq_len else [])
     else:
-        spans = [(seq_len - rest, seq_len)]
+        spans = [(0, rest) if fresh else (seq_len - rest, seq_len)]
     spans += [(0, 1)] * singles
     per_seq = [math.ceil(end / block_size) for _, end in spans]
     shape = (runner.num_layers, 2, sum(per_seq) * block_size, runner.kv_heads, runner.head_dim)
@@ -157,23 +187,25 @@ def _step(runner, tokens: int, seq_len: int, device, probe=None, seqs: int = 1, 
         cache.kv[:, :, cache.slots(table, start, end)] = 0
         items.append(StepItem(table, start, [(7 * i + 1) % vocab for i in range(start, end)], True))
         first += nb
-    batch = BatchRunner(runner, cache)
-    if probe is None:
-        batch.execute(items)
-        return 0
-    probe.start()
-    batch.execute(items)
-    return probe.peak()
+    return BatchRunner(runner, cache), items
+
+
+TRIM_TOKENS = 256         # a step computing at least this many tokens hands the heap pages it freed back afterwards
+
+
+def release_freed_memory() -> None:
+    """Hand the pages glibc holds for freed heap memory back to the system (``malloc_trim``; nothing elsewhere)."""
+    try:
+        _LIBC.malloc_trim(0)
+    except AttributeError:
+        pass
 
 
 class _HostPeak:
     """Peak resident memory of this process above its level at ``start`` (Linux: VmHWM reset via clear_refs)."""
 
     def start(self) -> None:
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)      # freed heap pages back to the kernel: reuse shows as growth
-        except (OSError, AttributeError):
-            pass
+        release_freed_memory()                            # freed heap pages back to the kernel: reuse shows as growth
         with open("/proc/self/clear_refs", "w") as f:    # "5": reset the peak RSS (VmHWM) to the current RSS
             f.write("5")
         self.base = _status_bytes("VmRSS:")
