@@ -143,6 +143,9 @@ def test_the_probe_window_runs_a_fresh_prefill_a_chunk_half_way_and_one_at_the_e
     monkeypatch.setattr(BatchRunner, "execute", execute)
     reserve._window(tiny, 256, 2048, tiny.hf_model.device, None, 4)
     assert seen == [[(0, 253)], [], [(1152 - 253, 253)], [], [(2048 - 253, 253)], []]
+    seen.clear()                    # a budget longer than the sequence: the three shapes are one, run once
+    reserve._window(tiny, 256, 100, tiny.hf_model.device, None, 4)
+    assert seen == [[(0, 100), (0, 100), (0, 53)], []]
 
 
 def test_the_reserve_is_the_highest_window_plus_the_spread_of_the_windows(tiny, monkeypatch):

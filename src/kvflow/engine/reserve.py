@@ -11,15 +11,16 @@ back to back (one "window", see ``_window``) — through the engine's own ``Batc
 cache. Three windows are run; the reserve is the highest peak plus the spread between the three (identical windows
 read apart by up to ~10% on CPU: glibc's heap keeps freed pages in a history-dependent layout). The peak is
 
-* on CPU: the process's peak resident memory during the step above its resident memory before it — glibc's free
+* on CPU: the process's peak resident memory during the window above its resident memory before it — glibc's free
   memory is handed back first (``malloc_trim``) and the kernel's high-water mark reset (``/proc/self/clear_refs``
-  = 5), so ``VmHWM`` after the step minus ``VmRSS`` before it is what the step really touched;
+  = 5), so ``VmHWM`` after the window minus ``VmRSS`` before it is what its steps really touched;
 * on CUDA (written, not yet run on a GPU here): ``torch.cuda.max_memory_allocated`` minus the allocated bytes
   before the step, after ``reset_peak_memory_stats``.
 
 An engine whose budget must hold (``engine.release_heap``, on with the elastic reserve) trims the heap after every
 step of at least TRIM_TOKENS tokens, so each large step starts from the trimmed heap a window starts from; off by
-default, since the pages handed back are faulted in again by the next step (a few % of a prefill step's time).
+default, since the next step faults the pages handed back in again (the trim itself takes ~1 ms on tiny; that
+re-fault cost is not measured apart).
 
 The CPU reading is process-wide: taken at start-up, before other threads of the engine run. Where it cannot be
 taken (no ``/proc/self/clear_refs``: not Linux, a locked-down container) the reserve is the advisor's shape formula
@@ -148,10 +149,11 @@ def _window(runner, tokens: int, seq_len: int, device, probe=None, seqs: int = 1
     of one-token decodes. Nothing is handed back between the steps: glibc keeps the pages a step frees, and the
     next step's other sizes do not always fit into them, so one clean step alone reads low (tiny, 4,096 tokens
     at 20K keys: 61-85 MiB for one step; 86-95 MiB for a window; 85-101 MiB above the KV in `bench elastic`)."""
-    ends = sorted({(min(tokens, seq_len) + seq_len) // 2, seq_len})
-    steps = [_prepare(runner, tokens, min(tokens, seq_len), device, seqs, block_size, fresh=True)]
-    steps += [_prepare(runner, tokens, end, device, seqs, block_size) for end in ends]
-    decodes = _prepare(runner, seqs, seq_len, device, seqs, block_size)
+    first = min(tokens, seq_len)
+    shapes = dict.fromkeys([_spans(tokens, first, seqs, fresh=True), _spans(tokens, (first + seq_len) // 2, seqs),
+                            _spans(tokens, seq_len, seqs)])     # shapes that coincide (a short sequence) run once
+    steps = [_prepare(runner, spans, device, block_size) for spans in shapes]
+    decodes = _prepare(runner, _spans(seqs, seq_len, seqs), device, block_size)
     if probe is not None:
         probe.start()
     for batch, items in steps:
@@ -160,22 +162,27 @@ def _window(runner, tokens: int, seq_len: int, device, probe=None, seqs: int = 1
     return probe.peak() if probe is not None else 0
 
 
-def _prepare(runner, tokens: int, seq_len: int, device, seqs: int, block_size: int, fresh: bool = False):
-    """One engine step of ``tokens`` new tokens in sequences of at most ``seq_len`` positions, ready to run.
-    ``seqs - 1`` of the tokens are one-token sequences (every sequence of the step is sampled); the rest:
-    ``>= seq_len``, whole sequences from position 0 (and a shorter last one); else one chunk, the last positions of
-    a ``seq_len`` context. The step's KV is uninitialised memory nothing writes to but the step (untouched pages
-    are not resident), and the slots the step writes are touched here, before a probe starts: KV is not reserve."""
-    from kvflow.engine.model_runner import BatchRunner, StepItem
-    from kvflow.engine.paged_cache import PagedKVCache
-
+def _spans(tokens: int, seq_len: int, seqs: int, fresh: bool = False) -> tuple[tuple[int, int], ...]:
+    """Positions (start, end) of each sequence of one engine step of ``tokens`` new tokens in sequences of at most
+    ``seq_len`` positions. ``seqs - 1`` of the tokens are one-token sequences (every sequence of the step is
+    sampled); the rest: ``>= seq_len``, whole sequences from position 0 (and a shorter last one); else one chunk,
+    the first positions of a prompt (``fresh``) or the last ones of a ``seq_len`` context."""
     singles = min(seqs, tokens) - 1
     rest = tokens - singles
     if rest >= seq_len:
         spans = [(0, seq_len)] * (rest // seq_len) + ([(0, rest % seq_len)] if rest % seq_len else [])
     else:
         spans = [(0, rest) if fresh else (seq_len - rest, seq_len)]
-    spans += [(0, 1)] * singles
+    return tuple(spans + [(0, 1)] * singles)
+
+
+def _prepare(runner, spans: tuple[tuple[int, int], ...], device, block_size: int):
+    """The step of ``spans`` (``_spans``), ready to run. Its KV is uninitialised memory nothing writes to but the
+    step (untouched pages are not resident), and the slots the step writes are touched here, before a probe
+    starts: KV is not reserve."""
+    from kvflow.engine.model_runner import BatchRunner, StepItem
+    from kvflow.engine.paged_cache import PagedKVCache
+
     per_seq = [math.ceil(end / block_size) for _, end in spans]
     shape = (runner.num_layers, 2, sum(per_seq) * block_size, runner.kv_heads, runner.head_dim)
     cache = PagedKVCache(runner.num_layers, sum(per_seq), block_size, runner.kv_heads, runner.head_dim,
