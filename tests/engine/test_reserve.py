@@ -1,8 +1,11 @@
 """The activation reserve is measured (positive, grows with the token budget) and the start-up budget adds up."""
 
 import logging
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from kvflow.engine import EngineConfig, LLMEngine
 from kvflow.engine.paged_cache import PagedKVCache
@@ -164,8 +167,9 @@ def test_a_large_step_hands_freed_heap_back_where_the_budget_must_hold(tiny, mon
     so each starts from the heap the probe measured from; off, nothing is trimmed (a step's re-faulted pages cost)."""
     from kvflow.engine import engine as engine_mod
     from kvflow.engine.sampling import SamplingParams
-    calls = []
+    calls, held = [], []
     monkeypatch.setattr(engine_mod, "release_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(engine_mod, "hold_to_live_set", lambda: held.append(1))
     cfg = EngineConfig(kv_budget=2**22, max_num_batched_tokens=512, activation_reserve="8M", elastic_reserve=elastic,
                        release_heap=release)
     cfg.validate()
@@ -174,3 +178,40 @@ def test_a_large_step_hands_freed_heap_back_where_the_budget_must_hold(tiny, mon
     while engine.has_unfinished():
         engine.step()
     assert bool(calls) == released
+    assert bool(held) == released          # and the process's large allocations are mapped per use from start-up
+
+
+def test_held_to_the_live_set_a_freed_large_tensor_leaves_resident_memory():
+    """hold_to_live_set pins glibc's mmap threshold at MAP_ABOVE: a tensor of a few MiB (below glibc's own 32 MiB
+    ceiling, so the heap would keep it once a larger one was freed) is unmapped when freed, and resident memory
+    falls by its size. In a fresh process (a heap with holes from earlier work would serve it from a hole)."""
+    from kvflow.engine import reserve
+    if reserve._LIBC is None or not hasattr(reserve._LIBC, "mallopt"):
+        pytest.skip("no glibc here")
+    code = """if True:
+        import torch
+        from kvflow.engine import reserve
+        rss = lambda: reserve._status_bytes("VmRSS:")
+        big = torch.ones(24 * 2**20 // 4); del big          # glibc's threshold rises to 24 MiB: 8 MiB is heap now
+        assert reserve.hold_to_live_set() and reserve.hold_to_live_set()
+        t = torch.ones(8 * 2**20 // 4)
+        with_it = rss()
+        del t
+        print(with_it - rss())
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) >= 0.9 * 8 * 2**20
+
+
+def test_the_reserve_is_measured_again_in_the_other_heap_regime(tiny, monkeypatch):
+    """A probe taken before the pin read another heap than the served steps will run on: the cache keys on it."""
+    from kvflow.engine import reserve
+    monkeypatch.setattr(reserve, "_CACHE", {})
+    reads = iter([10, 10, 10, 20, 20, 20])
+    monkeypatch.setattr(reserve, "_window", lambda runner, tokens, seq_len, device, probe, *a, **k:
+                        0 if probe is None else next(reads))
+    monkeypatch.setattr(reserve, "_held", False)
+    assert measure_activation_reserve(tiny, 64, max_model_len=64) == 10
+    monkeypatch.setattr(reserve, "_held", True)
+    assert measure_activation_reserve(tiny, 64, max_model_len=64) == 20

@@ -47,6 +47,7 @@ def bench_elastic(
     budget, take-back latency, peak resident memory vs budget."""
     from kvflow.bench.common import out_dir, print_table, save_figure, write_json
     from kvflow.bench.elastic_bench import ElasticWorkload, draw, run
+    from kvflow.engine.reserve import hold_to_live_set
     from kvflow.model import load_model
 
     w = ElasticWorkload(budgets=_ints(budgets, "--budgets"), long_len=long_len, long_prompts=long_prompts,
@@ -55,6 +56,7 @@ def bench_elastic(
                         c_long_prompts=c_long_prompts, c_base_blocks=c_base_blocks,
                         small_budget=small_budget, seed=seed)
     w.validate()
+    hold_to_live_set()      # as early as the bench knows its budget is judged (engine/reserve.py): no heap holes
     runner = load_model(model)
     runner.check_context_len(max(long_len, decode_prompt + 4096) + 1)
     folder = out_dir("elastic", out)

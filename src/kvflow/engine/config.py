@@ -25,7 +25,7 @@ class EngineConfig:
     activation_reserve: int = 0           # bytes of prefill activations ("64M"); 0: measured at start-up (reserve.py)
     elastic_reserve: bool = False         # lend the prefill activation reserve as KV blocks while only decodes run
     elastic_blocks: int = 0               # > 0: lend this many blocks instead of the reserve's bytes / bytes per block
-    release_heap: bool = False            # hand freed heap pages back after every large step (on with elastic_reserve)
+    release_heap: bool = False            # resident memory held to the live set (reserve.py; on with elastic_reserve)
 
     def validate(self) -> None:
         if isinstance(self.kv_budget, str):

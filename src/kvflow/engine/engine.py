@@ -28,8 +28,8 @@ from kvflow.engine.elastic import ElasticReserve
 from kvflow.engine.model_runner import BatchRunner, StepItem
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.engine.pool_tier import PoolTier
-from kvflow.engine.reserve import (TRIM_TOKENS, MemoryBudget, measure_activation_reserve, release_freed_memory,
-                                   weight_bytes)
+from kvflow.engine.reserve import (TRIM_TOKENS, MemoryBudget, hold_to_live_set, measure_activation_reserve,
+                                   release_freed_memory, weight_bytes)
 from kvflow.engine.sampling import SamplingError, SamplingParams, sample
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.sequence import Sequence, Status
@@ -109,6 +109,9 @@ class LLMEngine:
         if self.num_blocks < 1:
             raise ConfigError(f"engine.kv_budget {cfg.kv_budget} B holds no block ({per_block} B per block)")
         self.max_model_len = model_len(runner, cfg)
+        self._release_heap = cfg.release_heap or cfg.elastic_reserve
+        if self._release_heap:      # before any reserve is measured: the probe and the served steps, one heap regime
+            hold_to_live_set()
         longest = longest_sequence(runner, cfg, self.num_blocks)
         self.elastic = (ElasticReserve.create(runner, cfg, self.num_blocks, per_block, longest)
                         if cfg.elastic_reserve else None)
@@ -117,7 +120,6 @@ class LLMEngine:
                                   runner.head_dim, runner.dtype, self.elastic.region.kv if self.elastic else None)
         self.blocks = BlockManager(self.num_blocks + len(lent), cfg.block_size, cfg.enable_prefix_caching, lent)
         self.batch_runner = BatchRunner(runner, self.cache)
-        self._release_heap = cfg.release_heap or cfg.elastic_reserve
         reserve = cfg.activation_reserve or measure_activation_reserve(
             runner, cfg.max_num_batched_tokens, max_model_len=longest, max_num_seqs=cfg.max_num_seqs)
         self.memory = MemoryBudget(weight_bytes(runner), reserve, self.num_blocks * per_block, self.num_blocks,

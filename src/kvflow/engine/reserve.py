@@ -17,15 +17,35 @@ read apart by up to ~10% on CPU: glibc's heap keeps freed pages in a history-dep
 * on CUDA (written, not yet run on a GPU here): ``torch.cuda.max_memory_allocated`` minus the allocated bytes
   before the step, after ``reset_peak_memory_stats``.
 
-An engine whose budget must hold (``engine.release_heap``, on with the elastic reserve) trims the heap after every
-step of at least TRIM_TOKENS tokens, so each large step starts from the trimmed heap a window starts from; off by
-default, since the next step faults the pages handed back in again (the trim itself takes ~1 ms on tiny; that
-re-fault cost is not measured apart).
+An engine whose budget must hold (``engine.release_heap``, on with the elastic reserve) keeps its resident memory
+to the live set of its tensors, so that what the probe reads is what a served step takes (``hold_to_live_set``):
+
+* glibc's mmap threshold is pinned at MAP_ABOVE (256 KiB) for the process, before any reserve is measured: a
+  tensor of that size or more is mapped for its own use and unmapped when freed. Left to itself, glibc raises the
+  threshold to the largest block it has freed (up to 32 MiB), after which step-sized tensors come from the heap,
+  whose freed pages stay resident in a layout that depends on the process's whole history. Measured on tiny
+  (4,096-token prompts, 2,048-token budget, fresh processes): served steps then took 32-57 MiB above the KV,
+  bimodal from one process to the next, against probe readings of 48-71 MiB that did not follow them. Pinned at
+  1 MiB: 25-29 MiB in every run under a reserve of 38 MiB, but 1,024-token steps (whose sub-MiB tensors stayed on
+  the heap) 25-28 MiB against a reserve of 26-29 MiB; at 256 KiB: 24.7 MiB under 32.4 MiB and 13.4 MiB under
+  23.5 MiB, the same to 0.1 MiB from run to run. The reserves fell too (4,096 tokens: 54 MiB, was 97-117 MiB);
+* freed heap pages (the smaller allocations) are handed back after every step of at least TRIM_TOKENS tokens
+  (``malloc_trim``, ~1 ms on tiny), so each large step starts from the trimmed heap a window starts from.
+
+Both cost prefill time: every large tensor's pages are faulted in (and zeroed) afresh by each step. Measured here
+(a 2,048-token step at 2K and 8K positions, three fresh processes each, medians of 5): tiny +27-45%,
+qwen2.5-0.5b@layers=4 +2-38% (1 MiB; 256 KiB the same within the noise); the long prompts' TTFT of the bench's
+served runs +20%. Transparent huge pages for those maps (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``) did not help.
+So it is off by default, and on where the budget is what is judged: this CPU's allocator gives a tight resident
+bound or the heap's speed, not both (CUDA's caching allocator gives both; the CUDA probe reads its own peak). The
+pin is process-wide and stays; pinned before the model loads (``kvflow serve``, ``kvflow bench elastic``), no heap
+holes are left for steps to reuse.
 
 The CPU reading is process-wide: taken at start-up, before other threads of the engine run. Where it cannot be
 taken (no ``/proc/self/clear_refs``: not Linux, a locked-down container) the reserve is the advisor's shape formula
 (docs/ADVISOR.md) and a warning says so. Measurements are cached per (model fingerprint, token budget, longest
-sequence, device, torch threads) for the process, so every engine of one model and budget measures once.
+sequence, device, torch threads, heap regime) for the process, so every engine of one model and budget measures
+once.
 """
 
 from __future__ import annotations
@@ -110,7 +130,7 @@ def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model
     device = next(runner.hf_model.parameters()).device
     limit = max(1, min(max_model_len or tokens, runner.max_positions or 2**62))
     seqs = max(1, min(max_num_seqs, tokens))
-    key = (runner.fingerprint, tokens, limit, seqs, str(device), torch.get_num_threads())
+    key = (runner.fingerprint, tokens, limit, seqs, str(device), torch.get_num_threads(), _held)
     if key not in _CACHE:
         probe = _CUDAPeak(device) if device.type == "cuda" else _HostPeak()
         _window(runner, min(_WARMUP_TOKENS, tokens), min(limit, PROBE_CONTEXT), device, None, min(seqs, _WARMUP_TOKENS))
@@ -198,6 +218,22 @@ def _prepare(runner, spans: tuple[tuple[int, int], ...], device, block_size: int
 
 
 TRIM_TOKENS = 256         # a step computing at least this many tokens hands the heap pages it freed back afterwards
+MAP_ABOVE = 256 << 10     # held to the live set: allocations of this many bytes or more are mapped per use
+_M_MMAP_THRESHOLD = -3    # mallopt parameter (malloc.h)
+_held = False             # the process's mmap threshold is pinned at MAP_ABOVE
+
+
+def hold_to_live_set() -> bool:
+    """Pin glibc's mmap threshold at MAP_ABOVE for the rest of the process (see the module docstring): large
+    tensors are then unmapped when freed, and resident memory follows the live set. Idempotent; False where there
+    is no glibc to ask (the heap then keeps its own regime, and the budget is only as good as its probe)."""
+    global _held
+    if not _held and _LIBC is not None:
+        try:
+            _held = bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, MAP_ABOVE))
+        except AttributeError:
+            pass
+    return _held
 
 
 def release_freed_memory() -> None:
