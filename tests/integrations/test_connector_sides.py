@@ -1,6 +1,7 @@
 """The connector's two halves against a real kvflow pool, vLLM replaced by fakes (tests/integrations/fakes.py).
 
-Scheduler side: the longest stored prefix in whole chunks, capped so one token is computed, beyond the local hit.
+Scheduler side: the longest stored prefix in whole chunks, capped so one token is computed, beyond the local hit
+(a prompt ending on a chunk: its last chunk loaded but for that token).
 Worker side: loads verified records into exactly the blocks vLLM gave, reports a missing record's blocks,
 saves the chunks that became full under kvflow's own keys (so kvflow serve finds them) and never saves a step
 that ran on a failed load.
@@ -64,7 +65,8 @@ def test_layer_names_map_to_layer_indices():
 
 @pytest.mark.parametrize("prompt_len,stored,local,expect", [
     (4 * C + 5, 4, 0, 4 * C),          # the whole stored prefix
-    (4 * C, 4, 0, 3 * C),              # prompt ends on a chunk: one chunk is left to compute the last token
+    (4 * C, 4, 0, 4 * C - 1),          # prompt ends on a chunk: all but its last token, which vLLM computes
+    (4 * C, 3, 0, 3 * C),              # ... only when that last chunk is stored
     (4 * C + 5, 2, 0, 2 * C),          # only what is stored
     (4 * C + 5, 4, 2 * C, 2 * C),      # beyond the local prefix-cache hit
     (4 * C + 5, 4, 3 * C + BS, C - BS),  # a local hit inside a chunk: the rest of that chunk and no more
@@ -110,6 +112,22 @@ def test_loaded_chunks_land_in_the_requests_blocks_exactly(pool, transposed):
         want = torch.cat([records[keys[i][layer]][0] for i in range(3)], dim=2)     # [2, H, 3C, D]
         assert torch.equal(k, want[0]) and torch.equal(v, want[1])
     assert torch.isnan(worker.caches[0][blocks[6]]).all()     # the suffix's block is vLLM's to compute
+
+
+def test_a_prompt_ending_on_a_chunk_loads_its_last_chunk_but_for_the_token_vllm_computes(pool):
+    tokens = list(range(1, 3 * C + 1))                   # 3 whole chunks, all stored
+    keys, records = store_context(pool, tokens, 3)
+    sched, worker, layout = sides(pool)
+    blocks = [5, 17, 2, 30, 11, 8]
+    ext, meta = schedule(sched, Request("r", tokens), blocks, 0, 1)
+    assert ext == 3 * C - 1 and meta.loads[0].end == 3 * C - 1 and len(meta.loads[0].chunks) == 3
+    run_step(worker, meta)
+    assert worker.load_errors() == set()
+    for layer in range(L):
+        k, v = layout.read(worker.caches[layer], blocks)
+        want = torch.cat([records[keys[i][layer]][0] for i in range(3)], dim=2)     # [2, H, 3C, D]
+        assert torch.equal(k[:, :-1], want[0, :, :-1]) and torch.equal(v[:, :-1], want[1, :, :-1])
+        assert torch.isnan(k[:, -1]).all()                 # the last position is vLLM's to compute
 
 
 def test_only_positions_beyond_the_local_hit_are_written(pool):

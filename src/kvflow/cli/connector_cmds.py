@@ -21,8 +21,8 @@ def bench_connector(model: str = typer.Option("qwen2.5-0.5b@layers=4", help="pre
                                                                        "$KVFLOW_BENCH_DISK or /var/tmp)"),
                     cpus: str = typer.Option("0-1", help="VLLM_CPU_OMP_THREADS_BIND of every server"),
                     block_size: int = typer.Option(128, help="vLLM's --block-size in every server (a multiple of "
-                                                            "32 on CPU; vLLM computes the prompt's last partial "
-                                                            "block, at least one token, whatever a connector holds)"),
+                                                            "32 on CPU; vLLM computes what follows the connector's "
+                                                            "hit, at least one token)"),
                     chunk_tokens: Optional[int] = typer.Option(None, help="pool chunk (a multiple of the block "
                                                                          "size; default: the block size, so the "
                                                                          "connector matches what "

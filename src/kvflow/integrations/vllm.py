@@ -144,7 +144,8 @@ def check_shareable(cfg: PoolConfig) -> None:
 # ------------------------------------------------------------------------------------------------ metadata
 @dataclass
 class LoadSpec:
-    """Write positions [start, end) of request ``req_id`` from its stored chunks (start, end block-aligned)."""
+    """Write positions [start, end) of request ``req_id`` from its stored chunks (start block-aligned; end too, or
+    one token short of a prompt that ends on a chunk: the last chunk loaded but for the token vLLM computes)."""
     req_id: str
     chunks: list[tuple[int, bytes]]      # (chunk index, prefix hash) of every chunk overlapping [start, end)
     start: int
@@ -206,15 +207,18 @@ class SchedulerSide:
         return self._pool
 
     def matched(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> int:
-        """Tokens beyond ``num_computed`` the pool holds: whole chunks, at least one prompt token left to compute."""
-        cap = (len(token_ids) - 1) // self.chunk * self.chunk
+        """Tokens beyond ``num_computed`` the pool holds: its stored chunks (whole chunks of the prompt), but at
+        least one prompt token left for vLLM to compute. A prompt that ends on a chunk boundary loads its last
+        chunk but for the last token (vLLM then computes one token, not the chunk's last block of up to 128)."""
+        whole = len(token_ids) // self.chunk * self.chunk
+        cap = min(whole, len(token_ids) - 1)
         if not self.cfg.load or cap <= num_computed:
             return 0
         pool = self.pool()
         if pool is None:
             return 0
         self.counters["lookups"] += 1
-        hit = min(pool.longest_prefix(list(token_ids[:cap]), self.fingerprint, self.groups), cap)
+        hit = min(pool.longest_prefix(list(token_ids[:whole]), self.fingerprint, self.groups), cap)
         extra = hit - num_computed
         if extra <= 0 or extra < self.cfg.min_tokens:
             return 0
@@ -253,7 +257,9 @@ class SchedulerSide:
                 continue                       # allocated but not scheduled this step: keep it for the next
             del self._loads[rid]
             t = self._tracked[rid]
-            hashes = prefix_hashes(list(t.request.all_token_ids[:end]), self.fingerprint, self.chunk)
+            # the chunks overlapping [start, end): the last may be loaded but for its last token (``matched``)
+            hashes = prefix_hashes(list(t.request.all_token_ids[:-(-end // self.chunk) * self.chunk]),
+                                   self.fingerprint, self.chunk)
             first = start // self.chunk
             nblocks = -(-end // self.block_size)
             meta.loads.append(LoadSpec(rid, [(i, hashes[i]) for i in range(first, len(hashes))], start, end,
