@@ -154,7 +154,10 @@ class ElasticReserve:
     def create(cls, runner, config, base_blocks: int, bytes_per_block: int, longest: int | None = None) -> ElasticReserve:
         lent = lendable_blocks(runner, config, bytes_per_block, longest)
         if lent == 0:
-            log.warning("engine.elastic_reserve: the activation reserve is smaller than one KV block; nothing to lend")
+            log.warning("engine.elastic_reserve: a step of %d tokens needs less than one KV block more than a "
+                        "decode-only step of %d sequences (sequences up to %s tokens); nothing to lend — a larger "
+                        "engine.max_num_batched_tokens would have some", config.max_num_batched_tokens,
+                        min(config.max_num_seqs, config.max_num_batched_tokens), longest)
         shape = (runner.num_layers, 2, (base_blocks + lent) * config.block_size, runner.kv_heads, runner.head_dim)
         return cls(base_blocks, lent, KVRegion(shape, runner.dtype, base_blocks, config.block_size))
 
