@@ -27,6 +27,11 @@ class EngineConfig:
     elastic_blocks: int = 0               # > 0: lend this many blocks instead of the reserve's bytes / bytes per block
     release_heap: bool = False            # resident memory held to the live set (reserve.py; on with elastic_reserve)
 
+    @property
+    def holds_to_live_set(self) -> bool:
+        """The engine's resident memory must stay within its budget: held to the live set (engine/reserve.py)."""
+        return self.release_heap or self.elastic_reserve
+
     def validate(self) -> None:
         if isinstance(self.kv_budget, str):
             self.kv_budget = _parse_size(self.kv_budget)

@@ -109,8 +109,7 @@ class LLMEngine:
         if self.num_blocks < 1:
             raise ConfigError(f"engine.kv_budget {cfg.kv_budget} B holds no block ({per_block} B per block)")
         self.max_model_len = model_len(runner, cfg)
-        self._release_heap = cfg.release_heap or cfg.elastic_reserve
-        if self._release_heap:      # before any reserve is measured: the probe and the served steps, one heap regime
+        if cfg.holds_to_live_set:   # before any reserve is measured: the probe and the served steps, one heap regime
             hold_to_live_set()
         longest = longest_sequence(runner, cfg, self.num_blocks)
         self.elastic = (ElasticReserve.create(runner, cfg, self.num_blocks, per_block, longest)
@@ -229,8 +228,8 @@ class LLMEngine:
             logits.update((seq.seq_id, row) for seq, row in zip(sampled, step_logits))
             computed = sum(len(it.token_ids) for it in items)
             self.stats.computed_tokens += computed
-            if self._release_heap and computed >= TRIM_TOKENS:    # each large step starts from the heap the
-                release_freed_memory()                             # reserve's probe measured from (reserve.py)
+            if self.config.holds_to_live_set and computed >= TRIM_TOKENS:    # each large step starts from the
+                release_freed_memory()                                   # heap the probe measured from
             if len(items) > 1:
                 self.stats.decode_steps_batched += sum(1 for it in items if len(it.token_ids) == 1)
         for s in plan.scheduled:
