@@ -5,6 +5,7 @@ Every user error (KVFlowError, a bad option) ends as one line on stderr and exit
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -16,6 +17,8 @@ except ImportError:  # pragma: no cover
 
 from kvflow.config import warn_unknown_env
 from kvflow.errors import KVFlowError
+
+DEVICE_ENV = "KVFLOW_DEVICE"
 
 app = typer.Typer(help="kvflow: exact, fast KV-cache restoration for long contexts.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
@@ -35,10 +38,43 @@ def _register() -> None:
                 raise
 
 
+@app.callback()
+def _root(device: str = typer.Option("cpu", "--device", metavar="cpu|cuda|cuda:N|auto",
+                                     help="where every model of the command computes (fp32 on the CPU, bf16 on "
+                                          "CUDA); accepted after any sub-command too, and as $KVFLOW_DEVICE")) -> None:
+    """Options common to every command."""
+
+
+def take_device(argv: list[str]) -> tuple[list[str], str | None]:
+    """``--device NAME`` / ``--device=NAME`` wherever it stands (before or after the sub-command) -> (the other
+    arguments, NAME); the last one wins."""
+    rest, device, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--device":
+            if i + 1 >= len(argv):
+                raise cx.BadParameter("--device needs a value: cpu, cuda, cuda:N or auto")
+            device, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--device="):
+            device = arg.partition("=")[2]
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, device
+
+
 def main(argv: list[str] | None = None) -> int:
     _register()
     warn_unknown_env()
     try:
+        argv, device = take_device(list(sys.argv[1:] if argv is None else argv))
+        if device is not None:
+            from kvflow.model.device import set_default_device
+            set_default_device(device)        # one ModelError line for a device torch lacks
+        elif os.environ.get(DEVICE_ENV, "").strip():
+            from kvflow.model.device import resolve
+            resolve(None)                     # a bad $KVFLOW_DEVICE: one line now, not inside a command
         rc = app(args=argv, standalone_mode=False)  # non-standalone click returns typer.Exit's code
         return rc if isinstance(rc, int) else 0
     except KVFlowError as err:

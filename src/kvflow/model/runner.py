@@ -30,6 +30,8 @@ from kvflow.config import env_int
 from kvflow.errors import ModelError
 from kvflow.model import attention
 from kvflow.model.attention import splits_at_the_chunk
+from kvflow.model.device import default_dtype
+from kvflow.model.device import resolve as resolve_device
 from kvflow.model.presets import PRESETS, build_config, parse_name
 from kvflow.threads import compute_threads, set_compute_threads
 
@@ -61,23 +63,29 @@ class KVCache:
     """Preallocated K/V of one sequence for every layer; slices are written in place by compute and I/O."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         shape = (1, kv_heads, capacity, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.capacity = capacity
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
 
     @property
     def num_layers(self) -> int:
         return len(self.keys)
 
-    def write_block(self, block: torch.Tensor, tokens: tuple[int, int], layers: tuple[int, int]) -> None:
-        """Copy a canonical block [n_layers, 2, H, T, D] into tokens x layers."""
+    def write_block(self, block: torch.Tensor, tokens: tuple[int, int], layers: tuple[int, int],
+                    non_blocking: bool = False) -> None:
+        """Copy a canonical block [n_layers, 2, H, T, D] into tokens x layers (from the host to a device: with
+        ``non_blocking`` from pinned memory, queued on the current stream; the caller orders it with an event)."""
         (a, b), (l0, l1) = tokens, layers
         assert block.shape[0] == l1 - l0 and block.shape[3] == b - a, (block.shape, tokens, layers)
         for i, layer in enumerate(range(l0, l1)):
-            self.keys[layer][0, :, a:b].copy_(block[i, 0])
-            self.values[layer][0, :, a:b].copy_(block[i, 1])
+            self.keys[layer][0, :, a:b].copy_(block[i, 0], non_blocking=non_blocking)
+            self.values[layer][0, :, a:b].copy_(block[i, 1], non_blocking=non_blocking)
 
     def read_block(self, tokens: tuple[int, int], layers: tuple[int, int]) -> torch.Tensor:
         """A contiguous canonical block [n_layers, 2, H, T, D] (a copy)."""
@@ -116,6 +124,7 @@ class ModelRunner:
 
     def __init__(self, hf_model, name: str):
         self.hf_model = hf_model.eval()
+        self.device = next(hf_model.parameters()).device
         self.name = name
         self.config = hf_model.config
         self.config._attn_implementation = attention.NAME     # sdpa unless a call asks for more (model/attention.py)
@@ -168,7 +177,7 @@ class ModelRunner:
         for name, p in sorted(self.hf_model.state_dict().items()):
             h.update(name.encode())
             h.update(str(p.dtype).encode())
-            h.update(p.detach().contiguous().view(torch.uint8).numpy().data)
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().data)
         return h.hexdigest()
 
     @property
@@ -184,25 +193,25 @@ class ModelRunner:
         if self.max_positions and n > self.max_positions:
             raise ModelError(f"context of {n:,} tokens exceeds {self.name}'s {self.max_positions:,} positions")
         need = copies * n * self.kv_bytes_per_token("float32") + self.num_parameters * self.dtype.itemsize
-        free = free_memory(next(self.hf_model.parameters()).device)
+        free = free_memory(self.device)
         if free is not None and need > free:
             raise ModelError(f"context of {n:,} tokens needs about {need / 2**30:.1f} GiB for {self.name}'s KV "
                              f"caches; {free / 2**30:.1f} GiB is free")
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype)
+        return KVCache(self.num_layers, self.kv_heads, self.head_dim, capacity, self.dtype, self.device)
 
     # ------------------------------------------------------------------------------------ execution
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """[T] token ids -> [1, T, hidden] input hidden states of layer 0."""
+        """[T] token ids (on any device) -> [1, T, hidden] input hidden states of layer 0, on the model's device."""
         with torch.inference_mode():
-            return self._base.embed_tokens(token_ids.view(1, -1))
+            return self._base.embed_tokens(token_ids.view(1, -1).to(self.device, non_blocking=True))
 
     def _mask(self, start: int, end: int, window: int | None) -> torch.Tensor | None:
         if (start == 0 or end - start == 1) and window is None:
             return None  # plain causal (or a single query row): SDPA's fast path
-        q = torch.arange(start, end).view(-1, 1)
-        k = torch.arange(0, end).view(1, -1)
+        q = torch.arange(start, end, device=self.device).view(-1, 1)
+        k = torch.arange(0, end, device=self.device).view(1, -1)
         allowed = k <= q
         if window is not None:
             allowed &= (q - k) < window
@@ -213,11 +222,12 @@ class ModelRunner:
         [start, start+T)). Writes those tokens' K/V of each layer into ``cache`` and returns the output
         hidden states of layer l1-1. ``cache`` must hold layers [l0, l1) for tokens [0, start)."""
         l0, l1 = layers
+        hidden = hidden.to(self.device, self.dtype)     # stage inputs: fp32 activations from the pool, the host
         end = start + hidden.shape[1]
         assert 0 <= l0 <= l1 <= self.num_layers and end <= cache.capacity, (layers, start, end, cache.capacity)
         split = splits_at_the_chunk(hidden, start, end - start, None)    # windowless layers: no mask (attention.py)
         with torch.inference_mode():
-            position_ids = torch.arange(start, end).view(1, -1)
+            position_ids = torch.arange(start, end, device=self.device).view(1, -1)
             position_embeddings = self._base.rotary_emb(hidden, position_ids)
             slot = _RangeSlot(cache, start, end)
             masks: dict[int | None, torch.Tensor | None] = {}
@@ -234,16 +244,17 @@ class ModelRunner:
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head on the last position of ``hidden`` [1, T, hidden] -> [vocab] (fp32)."""
+        """Final norm + LM head on the last position of ``hidden`` [1, T, hidden] -> [vocab] (fp32, on the host:
+        logits always leave the runner there, for the sampler and for comparisons)."""
         with torch.inference_mode():
-            return self.hf_model.lm_head(self._base.norm(hidden[:, -1:])).view(-1).float()
+            return self.hf_model.lm_head(self._base.norm(hidden[:, -1:])).view(-1).float().cpu()
 
     def logits_many(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
         """:meth:`logits` of several sequences in one pass over the LM head (for one token per sequence the head is
         memory-bound: reading its weights once instead of k times is most of the saving)."""
         with torch.inference_mode():
             last = torch.cat([h[:, -1:] for h in hiddens])                       # [k, 1, hidden]
-            return list(self.hf_model.lm_head(self._base.norm(last)).view(len(hiddens), -1).float())
+            return list(self.hf_model.lm_head(self._base.norm(last)).view(len(hiddens), -1).float().cpu())
 
     def prefill_range(self, cache: KVCache, token_ids: torch.Tensor, start: int) -> torch.Tensor:
         """Prefill ``token_ids`` at positions [start, start+T) through every layer, given KV of [0, start).
@@ -263,13 +274,13 @@ class ModelRunner:
         """One plain transformers forward over all tokens: the ground truth every restoration is checked against.
         Returns per-layer (k, v) [1, H, T, D] and next-token logits [vocab]."""
         with torch.inference_mode():
-            out = self.hf_model(input_ids=token_ids.view(1, -1), use_cache=True, logits_to_keep=1)
+            out = self.hf_model(input_ids=token_ids.view(1, -1).to(self.device), use_cache=True, logits_to_keep=1)
         cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
         if hasattr(cache, "layers"):
             kv = [(layer.keys, layer.values) for layer in cache.layers]
         else:
             kv = list(zip(cache.key_cache, cache.value_cache))
-        return kv, out.logits[0, -1].float()
+        return kv, out.logits[0, -1].float().cpu()
 
 
 def free_memory(device: torch.device) -> int | None:
@@ -307,10 +318,14 @@ def _resolve_threads() -> None:
     set_compute_threads(threads)
 
 
-def load_model(name_or_path: str, *, seed: int = 0, dtype: str = "float32") -> ModelRunner:
+def load_model(name_or_path: str, *, seed: int = 0, dtype: str | torch.dtype | None = None,
+               device: str | torch.device | None = None) -> ModelRunner:
     """A preset name (``tiny``, ``qwen2.5-0.5b``, ``llama-3.2-1b@layers=4`` ...) built with random weights from
-    ``seed``, or a local transformers checkpoint directory."""
-    torch_dtype = parse_dtype(dtype)
+    ``seed``, or a local transformers checkpoint directory, on ``device`` (model/device.py: default cpu, or
+    ``kvflow --device`` / $KVFLOW_DEVICE) in ``dtype`` (default fp32 on the CPU, bf16 on CUDA). A preset's weights
+    are drawn on the host whatever the device, so one seed gives the same model everywhere."""
+    where = resolve_device(device)
+    torch_dtype = parse_dtype(dtype) if dtype is not None else default_dtype(where)
     _resolve_threads()
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -328,7 +343,7 @@ def load_model(name_or_path: str, *, seed: int = 0, dtype: str = "float32") -> M
             # truncated/garbled weights, a bad config.json, a shape that does not match its tensors
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ModelError(f"{name_or_path}: cannot load checkpoint: {first}") from None
-        return ModelRunner(model, str(path))
+        return ModelRunner(_place(model, where, name_or_path), str(path))
     if name_or_path.partition("@")[0] not in PRESETS and ("/" in name_or_path or path.suffix):
         raise ModelError(f"{name_or_path}: no such checkpoint directory")
     preset, layers = parse_name(name_or_path)
@@ -337,4 +352,16 @@ def load_model(name_or_path: str, *, seed: int = 0, dtype: str = "float32") -> M
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    return ModelRunner(model, name_or_path)
+    return ModelRunner(_place(model, where, name_or_path), name_or_path)
+
+
+def _place(model, device: torch.device, name: str):
+    """The model's weights on ``device``; a device too small for them is one ModelError line."""
+    if device.type == "cpu":
+        return model
+    try:
+        return model.to(device)
+    except torch.OutOfMemoryError:
+        need = sum(p.numel() * p.element_size() for p in model.parameters())
+        raise ModelError(f"{name}: its {need / 2**30:.1f} GiB of weights do not fit {device} "
+                         f"({(free_memory(device) or 0) / 2**30:.1f} GiB free)") from None
