@@ -76,7 +76,7 @@ def load_cost_model(runner: ModelRunner, *, profile_if_missing: bool = True, max
     """The saved profile of this model on this machine (``kvflow profile``), profiling now if there is none."""
     from kvflow.cost import profile
 
-    path = default_profile_path(runner.name, runner.fingerprint, torch.get_num_threads())
+    path = default_profile_path(runner.name, runner.fingerprint, torch.get_num_threads(), str(runner.device))
     if path.exists():
         return CostModel.load(path)
     if not profile_if_missing:
@@ -130,7 +130,8 @@ class Restorer:
         if missing or missing_acts:
             n = len(keys) * self.chunk_tokens
             cache, hidden = self._prefill_capturing(ids[:n], boundaries)
-            items = {k: cache.read_block(k.tokens, k.layers) for k in missing}
+            blocks = self.executor.transfer.to_host([cache.read_block(k.tokens, k.layers) for k in missing])
+            items = dict(zip(missing, blocks))
             stored = self.pool.put_many(items, dtype=self._dtype())     # strict pools raise StoreError instead
             written = sum(HEADER_SIZE + t.numel() * self._dtype().itemsize for t in items.values())
             act_items = {k: hidden[k.layers[0]][:, k.tokens[0]:k.tokens[1]] for k in missing_acts}
@@ -145,7 +146,7 @@ class Restorer:
         runner, n = self.runner, ids.numel()
         cache = runner.new_cache(n)
         edges = [0, *boundaries, runner.num_layers]
-        hidden = {b: torch.empty(1, n, runner.hidden_size, dtype=ACT_DTYPE) for b in boundaries}
+        hidden = {b: torch.empty(1, n, runner.hidden_size, dtype=ACT_DTYPE, device=runner.device) for b in boundaries}
         step = self.planner_config.max_step
         for a in range(0, n, step):
             h = runner.embed(ids[a:a + step])
@@ -165,7 +166,7 @@ class Restorer:
         """The pool's read bandwidth and per-read latency; the executor keeps ``depth`` reads in flight, so each
         read waits latency / depth beyond its bytes."""
         cell = self.chunk_tokens * self.cost.kv_bytes_per_token_layer * self._dtype().itemsize // 4 + HEADER_SIZE
-        bandwidth = float(self.pool.read_bandwidth)
+        bandwidth = self.cost.loaded_rate(float(self.pool.read_bandwidth))   # + the host-to-device copy on a GPU
         if calibrated and self.calibration is not None:
             bandwidth /= self.calibration.io
         depth = max(2, getattr(self.pool, "parallelism", 1))

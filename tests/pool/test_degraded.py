@@ -18,10 +18,10 @@ class BrokenMemory(MemoryDevice):
     """Works until ``broken`` is set, then every read and write fails like a dead disk."""
     broken = False
 
-    def read(self, offset, length):
+    def read(self, offset, length, out=None):
         if BrokenMemory.broken:
             raise OSError(errno.EIO, "Input/output error")
-        return super().read(offset, length)
+        return super().read(offset, length, out)
 
     def commit(self, offset, buf):
         if BrokenMemory.broken:

@@ -143,7 +143,7 @@ class GatedMemory(MemoryDevice):
     started = threading.Event()
     gate = threading.Event()
 
-    def read(self, offset, length):
+    def read(self, offset, length, out=None):
         first = super().read(offset, length // 2)
         GatedMemory.started.set()
         assert GatedMemory.gate.wait(30)

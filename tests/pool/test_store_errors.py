@@ -29,11 +29,11 @@ class Flaky(MemoryDevice):
             raise OSError(errno.EIO, "Input/output error")
         super().commit(offset, buf)
 
-    def read(self, offset, length):
+    def read(self, offset, length, out=None):
         if Flaky.fail_reads:
             Flaky.fail_reads -= 1
             raise OSError(errno.EIO, "Input/output error")
-        return super().read(offset, length)
+        return super().read(offset, length, out)
 
     def sync(self):
         if Flaky.fail_sync:

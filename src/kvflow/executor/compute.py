@@ -107,10 +107,10 @@ class ComputeSide:
 
     def grid_step(self, job: Job, board: Board, tokens: tuple[int, int], layers: tuple[int, int],
                   hidden: torch.Tensor) -> torch.Tensor:
-        clock = self.sync.clock
-        start = clock()
+        transfer = self.sync.transfer
+        mark = transfer.mark()
         out = self.runner.run_layers(job.cache, hidden, tokens[0], job.model_layers(layers))
-        end = clock()
+        start, end = transfer.span(mark, transfer.mark())     # device time on CUDA (executor/transfer.py)
         with self.sync.cond:
             board.computed(tokens, layers, start, end)
         return out

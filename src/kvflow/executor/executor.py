@@ -41,6 +41,7 @@ from kvflow.executor.finish import Finish
 from kvflow.executor.io import IOSide
 from kvflow.executor.job import Execution, Job
 from kvflow.executor.sync import StallError, Sync
+from kvflow.executor.transfer import for_device
 from kvflow.model.runner import KVCache, ModelRunner
 from kvflow.planner.plan import ComputeStep, LoadStep, Plan
 from kvflow.threads import single_threaded_run
@@ -55,6 +56,7 @@ class Executor:
     def __init__(self, runner: ModelRunner, pool, config: ExecutorConfig | None = None):
         self.runner, self.pool = runner, pool
         self.config = config or ExecutorConfig.load()
+        self.transfer = for_device(runner.device)      # one per executor: its staging buffers are reused
 
     def run(self, plan: Plan, keys: list[list[ChunkKey]], token_ids: torch.Tensor,
             cache: KVCache | None = None, link: StageLink | None = None, origin: float | None = None) -> Execution:
@@ -77,7 +79,8 @@ class Executor:
         boards = [Board(job.plan, cell_meet=job.plan.cell_meet and job.link is None) for job in jobs]
         for r, _ in compute_order:
             boards[r].compute_left += 1
-        sync = Sync(self.config.stall_timeout_s, time.perf_counter() if origin is None else origin)
+        sync = Sync(self.config.stall_timeout_s, time.perf_counter() if origin is None else origin,
+                    transfer=self.transfer)
         compute = ComputeSide(self.runner, sync)
         finish = Finish(self.runner, sync, compute)
         io = threading.Thread(target=single_threaded_run(IOSide(self.pool, sync, jobs, boards).run), args=(io_order,),
@@ -87,9 +90,12 @@ class Executor:
             results = self._compute_side(jobs, boards, compute_order, query_order, sync, compute, finish)
         except BaseException:
             self._stop_io(io, sync)
+            self.transfer.staging.forget()
             raise
         io.join(2 * sync.stall_s)
-        if io.is_alive():
+        if not io.is_alive():
+            self.transfer.staging.forget()
+        else:
             self._stop_io(io, sync)
             raise StallError(f"executor stalled: the I/O thread did not end within {2 * sync.stall_s:g} s after "
                              f"every request was served (executor.stall_timeout_s = {sync.stall_s:g})")

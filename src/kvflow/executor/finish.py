@@ -60,9 +60,9 @@ class Finish:
                 if inputs is None or inputs.shape[1] < C:
                     complete = i       # no input for this chunk: the pipeline fills it from the previous stage
                     break
-            start = clock()
+            mark = sync.transfer.mark()
             runner.run_layers(job.cache, inputs, i * C, job.model_layers((0, L)))
-            end = clock()
+            start, end = sync.transfer.span(mark, sync.transfer.mark())
             with sync.cond:
                 board.cells.refill_row(i)
             board.compute_busy += end - start
@@ -86,10 +86,11 @@ class Finish:
         done = [(r, ex, h) for r, ex, h in done if h is not None]
         if not done:
             return
-        clock = self.sync.clock
-        start = clock()
-        logits = self.runner.logits_many([h for _, _, h in done])
-        end = clock()
+        transfer = self.sync.transfer
+        mark = transfer.mark()
+        logits = self.runner.logits_many([h for _, _, h in done])     # on the host when it returns
+        start, end = transfer.span(mark, transfer.mark())
+        end = max(end, self.sync.clock())
         for (r, ex, _), lg in zip(done, logits):
             ex.logits, ex.timings.ttft_s = lg, end
             s1, layers = ex.cache.capacity, ex.cache.num_layers
@@ -98,9 +99,10 @@ class Finish:
     def query(self, job: Job, board: Board, hidden: dict, pieces: list[tuple[int, int]],
               layers: tuple[int, int]) -> None:
         """Tail + query through ``layers``, piece by piece (each piece sees the ones before it)."""
-        clock = self.sync.clock
-        start = clock()
+        transfer = self.sync.transfer
+        mark = transfer.mark()
         for a, _ in pieces:
             hidden[a] = self.runner.run_layers(job.cache, hidden[a], a, job.model_layers(layers))
-        board.events.append(Event("query", (pieces[0][0], pieces[-1][1]), layers, start, clock()))
+        start, end = transfer.span(mark, transfer.mark())
+        board.events.append(Event("query", (pieces[0][0], pieces[-1][1]), layers, start, end))
 

@@ -14,6 +14,7 @@ exit; every other fetch thread is joined before the I/O thread ends.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import threading
@@ -86,7 +87,7 @@ class IOSide:
     def run(self, io_order: list[tuple[int, LoadStep]]) -> None:
         """The I/O thread's body; its error is surfaced on the compute thread (``sync.io_error``)."""
         sync = self.sync
-        self.reads = Reads(self.pool.get_many, self.depth)
+        self.reads = Reads(reader(self.pool, sync.transfer.staging), self.depth)
         try:
             for r, step in io_order:
                 if sync.stop.is_set():
@@ -133,16 +134,17 @@ class IOSide:
         job, board, sync = self.jobs[r], self.boards[r], self.sync
         C = job.plan.chunk_tokens
         got = self.result(fut, r, (c0, c1), (l0, l1), wanted)
-        misses = []
+        misses, records = [], []
         keys = iter(wanted)
-        for i in range(c0, c1):  # hot path: one copy per record into the cache (dtype cast included)
+        for i in range(c0, c1):
             for layer in range(l0, l1):
                 key = next(keys)
                 tensor = got.get(key)
                 if tensor is None:
                     misses.append((i, layer))
                 else:
-                    job.cache.write_block(tensor, key.tokens, key.layers)
+                    records.append((tensor, key.tokens, key.layers))
+        sync.transfer.land(job.cache, records)  # hot path: one copy per record into the cache (dtype cast included)
         end = sync.clock()
         start, self.landed_at = max(issued, self.landed_at), end
         sync.io_events.append((r, Event("load", (c0 * C, c1 * C), (l0, l1), start, end)))
@@ -167,9 +169,7 @@ class IOSide:
             start = sync.clock()
             got = self.result(self.reads.submit(keys), r, (chunk, chunk + 1), layers, keys)
             misses = [(chunk, layer) for layer, k in zip(range(*layers), keys) if got.get(k) is None]
-            for key in keys:
-                if got.get(key) is not None:
-                    job.cache.write_block(got[key], key.tokens, key.layers)
+            sync.transfer.land(job.cache, [(got[k], k.tokens, k.layers) for k in keys if got.get(k) is not None])
             sync.io_events.append((r, Event("load", (chunk * C, (chunk + 1) * C), layers, start, sync.clock())))
             with sync.cond:
                 board.cells.fill((chunk, chunk + 1), layers)
@@ -199,6 +199,15 @@ class IOSide:
         except Exception:  # a pool without an index to ask: the load alone names the stall
             return ""
         return f"; its records are on pool device{'s' if len(names) > 1 else ''} {', '.join(names)}" if names else ""
+
+
+def reader(pool, staging):
+    """``pool.get_many`` reading into the transfer's staging buffers where the pool can (KVPool), else as it is."""
+    try:
+        takes = "staging" in inspect.signature(pool.get_many).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return (lambda keys: pool.get_many(keys, staging=staging)) if takes else pool.get_many
 
 
 def _span(what: str, span: tuple[int, int]) -> str:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from kvflow.errors import KVFlowError
 from kvflow.executor.timeline import Event
+from kvflow.executor.transfer import HostTransfer
 
 
 class StallError(KVFlowError):
@@ -32,6 +33,12 @@ class Sync:
     io_error: list[BaseException] = field(default_factory=list)
     io_events: list[tuple[int, Event]] = field(default_factory=list)    # (request, load event), I/O thread only
     last_activity: float = field(default_factory=time.monotonic)
+    transfer: Any = None                            # HostTransfer | CudaTransfer (transfer.py): landing and timing
+
+    def __post_init__(self) -> None:
+        if self.transfer is None:
+            self.transfer = HostTransfer()
+        self.transfer.start(self.clock)             # t = 0 of the run on the device's clock too
 
     def clock(self) -> float:
         return time.perf_counter() - self.origin

@@ -38,6 +38,7 @@ from kvflow.pool import eviction
 from kvflow.pool.allocator import ExtentAllocator, round_up
 from kvflow.pool.config import PoolConfig
 from kvflow.pool.devices import Throttled, open_device, remote
+from kvflow.pool.devices.base import padded
 from kvflow.pool.devices.throttle import MAX_LATENCY_S, check_latency
 from kvflow.pool.fsck import fsck
 from kvflow.pool.index import Entry, LookupTable
@@ -220,9 +221,11 @@ class KVPool:
         Returns the number of records written. A full pool evicts least recently used records; a record that
         fits nowhere (every candidate pinned by readers) is skipped, never an error. A write or sync that fails:
         strict mode raises StoreError (naming the device and the cause; the records that were stored stay stored),
-        relaxed mode returns the smaller count and counts the rest in ``put_errors``."""
+        relaxed mode returns the smaller count and counts the rest in ``put_errors``. Tensors on a device are
+        copied to the host first (records are host bytes)."""
         if self.readonly:
             raise KVFlowError("this pool is open read-only")
+        items = {k: t.cpu() if isinstance(t, torch.Tensor) and t.device.type != "cpu" else t for k, t in items.items()}
         st = self._state
         dtype = dtype or self.dtype
         if dtype not in DTYPE_CODES:
@@ -320,9 +323,12 @@ class KVPool:
                              len(done), len(failed))
         return len(done)
 
-    def get_many(self, keys: Iterable[ChunkKey]) -> dict[ChunkKey, torch.Tensor | None]:
+    def get_many(self, keys: Iterable[ChunkKey], staging=None) -> dict[ChunkKey, torch.Tensor | None]:
         """Verified records (storage dtype, stored shape, tensors own their memory); None for a miss. All devices
-        are read in parallel. A record failing any check is a miss: counted, logged, dropped from the index."""
+        are read in parallel. A record failing any check is a miss: counted, logged, dropped from the index.
+        With ``staging`` (executor/transfer.py: ``take(n)`` / ``give(t)``) records are read into its reused buffers
+        — pinned ones on CUDA — and each record's tensor is a view of one; the caller gives it back once copied
+        (a miss's buffer is given back here)."""
         st = self._state
         keys = list(keys)
         for key in keys:
@@ -341,7 +347,8 @@ class KVPool:
                 entry.pins += 1
                 st.table.touch(key.digest, entry)
                 plan.append((key, entry))
-        futures = [(key, entry, st.slots[entry.dev].io.submit(self._read_one, key, entry)) for key, entry in plan]
+        futures = [(key, entry, st.slots[entry.dev].io.submit(self._read_one, key, entry, staging))
+                   for key, entry in plan]
         bad = []
         try:
             out.update(remote.fetch(st, unknown, self._io_error))   # keys this index does not know: the shared store
@@ -643,13 +650,27 @@ class KVPool:
         slot.errors_in_row = 0
         return parse_header(buf[:HEADER_SIZE].numpy()).checksum
 
-    def _read_one(self, key: ChunkKey, entry: Entry) -> torch.Tensor:
-        """Worker thread. One read into a fresh page-aligned buffer (GIL released), then verify against the key."""
+    def _read_one(self, key: ChunkKey, entry: Entry, staging=None) -> torch.Tensor:
+        """Worker thread. One read into a page-aligned buffer (fresh, or the caller's staging buffer; GIL released),
+        then verify against the key."""
         slot = self._state.slots[entry.dev]
-        data = _retry(slot.device.read, entry.offset, entry.length)
-        header, tensor = decode(data.numpy(), expect=key)
-        if header.seq != entry.seq and not getattr(slot.device, "content_addressed", False):   # remote: any writer
-            raise RecordError(f"record sequence {header.seq} differs from the index ({entry.seq}): stale extent")
+        if staging is None:
+            data = _retry(slot.device.read, entry.offset, entry.length)
+        else:
+            out = staging.take(padded(entry.length))
+            try:
+                data = _retry(slot.device.read, entry.offset, entry.length, out)
+            except BaseException:
+                staging.give(out)
+                raise
+        try:
+            header, tensor = decode(data.numpy(), expect=key)
+            if header.seq != entry.seq and not getattr(slot.device, "content_addressed", False):   # remote: any
+                raise RecordError(f"record sequence {header.seq} differs from the index ({entry.seq}): stale extent")
+        except BaseException:
+            if staging is not None:
+                staging.give(data)
+            raise
         slot.errors_in_row = 0
         return tensor
 

@@ -54,6 +54,14 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         np.copyto(dst.numpy(), src.numpy())
 
 
+def into(out: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+    """``out`` (a caller's page-aligned buffer of at least ``nbytes``) or a fresh aligned buffer."""
+    if out is None:
+        return aligned_empty(nbytes)
+    assert out.numel() >= nbytes and out.data_ptr() % ALIGN == 0, (out.numel(), nbytes)
+    return out[:nbytes]
+
+
 def padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
@@ -133,8 +141,10 @@ class Device(ABC):
         self.owner: Owner | None = None        # the pool this device says it belongs to (None: not recorded)
 
     @abstractmethod
-    def read(self, offset: int, length: int) -> torch.Tensor:
-        """The ``length`` bytes at ``offset`` as a new uint8 tensor. Raises OSError or RecordError."""
+    def read(self, offset: int, length: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``length`` bytes at ``offset`` as a uint8 tensor: a new one, or the first ``length`` bytes of ``out``
+        (a page-aligned buffer of at least ``padded(length)`` bytes: a staging buffer the caller reuses). Raises
+        OSError or RecordError."""
 
     @abstractmethod
     def commit(self, offset: int, buf: torch.Tensor) -> None:

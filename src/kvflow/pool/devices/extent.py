@@ -24,7 +24,7 @@ import torch
 
 from kvflow.errors import ConfigError, RecordError
 from kvflow.pool.devices.base import (SUPERBLOCK, Device, Owner, aligned_empty, file_size, flock_writer, not_a_device,
-                                      pack_owner, padded, parse_owner, parse_superblock)
+                                      into, pack_owner, padded, parse_owner, parse_superblock)
 
 log = logging.getLogger("kvflow.pool")
 
@@ -157,8 +157,8 @@ class ExtentDevice(Device):
         buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         os.pwritev(self._fd, [buf.numpy()], pos)
 
-    def read(self, offset: int, length: int) -> torch.Tensor:
-        buf = aligned_empty(padded(length))
+    def read(self, offset: int, length: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        buf = into(out, padded(length))
         got = os.preadv(self._fd, [buf.numpy()], SUPERBLOCK + offset)  # DMA into our buffer; GIL released
         if got < length:
             raise RecordError(f"{self.name}: short read at {offset} ({got} of {length} bytes): device truncated?")

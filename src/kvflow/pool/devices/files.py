@@ -14,7 +14,7 @@ from dataclasses import asdict, replace
 import torch
 
 from kvflow.errors import ConfigError, RecordError
-from kvflow.pool.devices.base import Device, Owner, aligned_empty, flock_writer
+from kvflow.pool.devices.base import Device, Owner, aligned_empty, flock_writer, into
 
 _MARKER = ".kvflow-device"
 _SYNCFS_AFTER = 8     # dirty record files beyond which one syncfs() of the file system beats an fsync per file
@@ -74,7 +74,7 @@ class FilesDevice(Device):
     def _path(self, offset: int) -> str:
         return os.path.join(self.root, f"{(offset >> 12) & 0xff:02x}", f"{offset:x}.kvr")
 
-    def read(self, offset: int, length: int) -> torch.Tensor:
+    def read(self, offset: int, length: int, out: torch.Tensor | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
             fd = os.open(self._path(offset), os.O_RDONLY)
@@ -82,7 +82,7 @@ class FilesDevice(Device):
             raise RecordError(f"{self.name}: record file {self._path(offset)} is missing") from None
         t1 = time.perf_counter()
         try:
-            buf = aligned_empty(length)
+            buf = into(out, length)
             got = os.preadv(fd, [buf.numpy()], 0)
             t2 = time.perf_counter()
             if self.cfg.drop_cache:

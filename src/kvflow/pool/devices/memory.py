@@ -12,7 +12,7 @@ import torch
 
 from kvflow.errors import ConfigError
 from kvflow.pool.devices.base import (SUPERBLOCK, Device, aligned_empty, copy_bytes, file_size, not_a_device,
-                                      pack_superblock, parse_superblock)
+                                      into, pack_superblock, parse_superblock)
 
 
 class MemoryDevice(Device):
@@ -62,10 +62,10 @@ class MemoryDevice(Device):
         if buf.data_ptr() != self._mem[offset:].data_ptr():
             copy_bytes(self._mem[offset:offset + buf.numel()], buf)
 
-    def read(self, offset: int, length: int) -> torch.Tensor:
+    def read(self, offset: int, length: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if offset + length > self.capacity:
             raise OSError(f"{self.name}: read past the end of the device")
-        out = aligned_empty(length)
+        out = into(out, length)
         copy_bytes(out, self._mem[offset:offset + length])   # releases the GIL, starts no OpenMP team
         return out
 

@@ -41,7 +41,7 @@ from kvflow.chunks.keys import ChunkKey, record_digest
 from kvflow.chunks.record import HEADER_SIZE, decode, encode_into, parse_header, record_size
 from kvflow.config import check
 from kvflow.errors import ConfigError, RecordError
-from kvflow.pool.devices.base import ALIGN, Device, aligned_empty, check_writable
+from kvflow.pool.devices.base import ALIGN, Device, aligned_empty, check_writable, into
 
 if TYPE_CHECKING:
     from kvflow.pool.state import PoolState, Slot
@@ -200,7 +200,7 @@ class RemoteDevice(Device):
         self._call(lambda c: c.set(key, memoryview(arr)[:n], ex=self.cfg.ttl_s or None))
         self._keys[offset] = key
 
-    def read(self, offset: int, length: int) -> torch.Tensor:
+    def read(self, offset: int, length: int, out: torch.Tensor | None = None) -> torch.Tensor:
         key = self._keys.get(offset)
         if key is None:
             self._call(lambda c: c.exists(self._scratch))     # the store answers (the pool's re-probe asks this)
@@ -208,7 +208,7 @@ class RemoteDevice(Device):
         data = self._call(lambda c: c.get(key))
         if data is None:
             raise RecordError("not in the store (evicted, expired or its node restarted empty): a miss")
-        return _owned(data)[:length]
+        return _owned(data, out)[:length]
 
     def discard(self, offset: int) -> None:
         key = self._keys.pop(offset, None)
@@ -259,8 +259,8 @@ class RemoteDevice(Device):
         return pipe.execute(raise_on_error=False)
 
 
-def _owned(data: bytes) -> torch.Tensor:
-    out = aligned_empty(len(data))
+def _owned(data: bytes, out: torch.Tensor | None = None) -> torch.Tensor:
+    out = into(out if out is not None and out.numel() >= len(data) else None, len(data))
     out.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
     return out
 
