@@ -25,8 +25,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvflow.model.device import synchronize
 from kvflow.model.runner import ModelRunner
 from kvflow.planner.bound import balance_point
+
+
+def _now(runner: ModelRunner) -> float:
+    """The host clock once the runner's device has finished what it was given (timings of work, not of a queue)."""
+    synchronize(runner.device)
+    return time.perf_counter()
 
 
 @dataclass
@@ -42,17 +49,17 @@ class QueryTimes:
         L, n = runner.num_layers, suffix_ids.numel()
         pieces = [(a, min(a + step_tokens, n)) for a in range(0, n, step_tokens)]
         hidden = [runner.embed(suffix_ids[a:b]) for a, b in pieces]
-        t0 = time.perf_counter()
+        t0 = _now(runner)
         for h, (a, _) in zip(hidden, pieces):
             runner.run_layers(cache, h, start + a, (0, 1))
-        self.query_layer.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        self.query_layer.append(_now(runner) - t0)
+        t0 = _now(runner)
         for k, (a, _) in enumerate(pieces):
             hidden[k] = runner.run_layers(cache, hidden[k], start + a, (0, L))
-        self.query.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        self.query.append(_now(runner) - t0)
+        t0 = _now(runner)
         runner.logits_many([hidden[-1]])
-        self.head.append(time.perf_counter() - t0)
+        self.head.append(_now(runner) - t0)
 
     @property
     def compute_after(self) -> float:
@@ -82,18 +89,18 @@ class CellProbe:
         single, cache = [], runner.new_cache(max([token_ids.numel()] + [s + ids.numel() for _, ids, s in others]))
         for i in range(grid_chunks):
             h = runner.embed(token_ids[i * C:(i + 1) * C])
-            t0 = time.perf_counter()
+            t0 = _now(runner)
             runner.run_layers(cache, h, i * C, (0, L))
-            single.append(time.perf_counter() - t0)
+            single.append(_now(runner) - t0)
         best = list(single)
         per = max(1, max_step // C)
         big = runner.new_cache(grid)
         for c0 in range(0, grid_chunks, per):
             c1 = min(c0 + per, grid_chunks)
             h = runner.embed(token_ids[c0 * C:c1 * C])
-            t0 = time.perf_counter()
+            t0 = _now(runner)
             runner.run_layers(big, h, c0 * C, (0, L))
-            share = (time.perf_counter() - t0) / sum(single[c0:c1])
+            share = (_now(runner) - t0) / sum(single[c0:c1])
             for i in range(c0, c1):
                 best[i] = min(best[i], single[i] * share)
         del big
@@ -151,9 +158,9 @@ def recompute_rate(runner: ModelRunner, chunk_tokens: int, repeats: int = 10, la
     for _ in range(repeats + 1):
         cache = runner.new_cache(chunk_tokens)
         h = runner.embed(ids)
-        t0 = time.perf_counter()
+        t0 = _now(runner)
         runner.run_layers(cache, h, 0, (0, n))
-        times.append(time.perf_counter() - t0)
+        times.append(_now(runner) - t0)
     return chunk_tokens * runner.kv_bytes_per_token() * n / runner.num_layers / min(times[1:])
 
 

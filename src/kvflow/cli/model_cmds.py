@@ -97,8 +97,8 @@ def profile_cmd(
     repeats: int = typer.Option(3, min=1, help="timings per point (the fastest is kept)"),
     out: Optional[Path] = typer.Option(None, help="where to save the JSON (default ~/.cache/kvflow/profiles/)"),
     seed: int = typer.Option(0, help="weight seed for presets"),
-    dtype: str = typer.Option("float32", help="compute dtype (float32 is the exact path; bf16 is 3-7x slower on "
-                                              "CPUs without AVX-512)"),
+    dtype: Optional[str] = typer.Option(None, help="compute dtype (default: float32 on the CPU, the exact path — "
+                                                   "bf16 is 3-7x slower there without AVX-512 — bfloat16 on CUDA)"),
     force: bool = typer.Option(False, "--force", help="re-profile even if a saved profile exists"),
 ) -> None:
     """Measure restoration compute cost vs position, chunk size and layers; fit and save a cost model."""
@@ -112,7 +112,7 @@ def profile_cmd(
     if out is not None:
         writable_dir(out.parent, "--out")      # before the profiling run, not after it
     runner = load_model(model, seed=seed, dtype=dtype)
-    path = out or default_profile_path(model, runner.fingerprint, torch.get_num_threads())
+    path = out or default_profile_path(model, runner.fingerprint, torch.get_num_threads(), str(runner.device))
     if path.exists() and not force and (show or out is None):
         cost = CostModel.load(path)
         if cost.fit.get("max_position") == max_position or show:

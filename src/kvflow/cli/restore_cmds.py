@@ -37,7 +37,7 @@ def ensure_cost(runner, max_position: int):
     from kvflow.cli.model_cmds import progress_bar
     from kvflow.cost import CostModel, default_profile_path, profile
 
-    path = default_profile_path(runner.name, runner.fingerprint, torch.get_num_threads())
+    path = default_profile_path(runner.name, runner.fingerprint, torch.get_num_threads(), str(runner.device))
     if path.exists():
         cost = CostModel.load(path)
         if cost.fit.get("max_position", 0) >= max_position // 2:

@@ -33,6 +33,8 @@ class CostModel:
     kv_bytes_per_token_layer: int  # fp32 K+V bytes of one token in one layer
     num_layers: int
     fit: dict = field(default_factory=dict)  # held-out error etc., for display
+    device: str = "cpu"                      # where the model computed when profiled
+    h2d_bytes_per_s: float = 0.0             # pinned host-to-device copy rate (0: none, the host computes)
 
     # The one place the formula lives: every caller (planner, bounds, simulator, calibration) prices through these.
     def layer_time(self, c: int, p: int, per_call: float | None = None) -> float:
@@ -66,6 +68,14 @@ class CostModel:
     def bandwidth_for_rho(self, rho: float, chunk: int = 256) -> float:
         return rho * self.short_context_rate(chunk)
 
+    def loaded_rate(self, link_bytes_per_s: float) -> float:
+        """Bytes/s a load reaches the model's memory at over a link of ``link_bytes_per_s``: on a device every byte
+        crosses the link, then the host-to-device copy (counted in series: the executor marks a load landed once
+        its copy is done); on the host the link alone."""
+        if self.h2d_bytes_per_s <= 0:
+            return link_bytes_per_s
+        return 1.0 / (1.0 / link_bytes_per_s + 1.0 / self.h2d_bytes_per_s)       # an unthrottled link: 1/inf = 0
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
@@ -86,6 +96,7 @@ class CostModel:
         check(self.threads >= 1 and self.num_layers >= 1 and self.kv_bytes_per_token_layer >= 1,
               "cost profile: threads, num_layers and kv_bytes_per_token_layer must be positive")
         check(self.a + self.b + self.d + self.e > 0, "cost profile: every term is zero")
+        check(self.h2d_bytes_per_s >= 0, f"cost profile: h2d_bytes_per_s must be >= 0, got {self.h2d_bytes_per_s}")
         check(isinstance(self.fit, dict), f"cost profile: fit must be a mapping, got {type(self.fit).__name__}")
 
     @classmethod
@@ -109,11 +120,13 @@ def profiles_dir() -> Path:
     return Path(os.environ.get("KVFLOW_HOME", Path.home() / ".cache" / "kvflow")) / "profiles"
 
 
-def default_profile_path(model_name: str, fingerprint: str, threads: int) -> Path:
-    """Where the profile of this model on this machine lives. The folder is checked writable now, so a bad
-    $KVFLOW_HOME is one error line before a profiling run, not a traceback after it."""
+def default_profile_path(model_name: str, fingerprint: str, threads: int, device: str = "cpu") -> Path:
+    """Where the profile of this model on this machine (and device: a CUDA profile is its own file) lives. The
+    folder is checked writable now, so a bad $KVFLOW_HOME is one error line before a profiling run, not a
+    traceback after it."""
     safe = model_name.replace("/", "_").replace("@", "_").replace("=", "")
-    return writable_dir(profiles_dir(), "KVFLOW_HOME") / f"{safe}-{fingerprint[:12]}-{threads}t.json"
+    where = "" if device == "cpu" else f"-{device.replace(':', '')}"
+    return writable_dir(profiles_dir(), "KVFLOW_HOME") / f"{safe}-{fingerprint[:12]}{where}-{threads}t.json"
 
 
 def writable_dir(folder: Path, what: str) -> Path:

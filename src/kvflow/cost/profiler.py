@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvflow.cost.model import CostModel
+from kvflow.model.device import synchronize
 from kvflow.model.runner import ModelRunner
 
 
@@ -28,13 +29,31 @@ class Point:
 
 
 def _time_step(runner: ModelRunner, cache, c: int, p: int, n: int, repeats: int) -> float:
-    hidden = torch.randn(1, c, runner.hidden_size, dtype=runner.dtype) * 0.02
+    hidden = torch.randn(1, c, runner.hidden_size, dtype=runner.dtype, device=runner.device) * 0.02
     samples = []
     for _ in range(repeats):
+        synchronize(runner.device)                      # timings of the device's work, not of its queue
         t0 = time.perf_counter()
         runner.run_layers(cache, hidden, p, (0, n))
+        synchronize(runner.device)
         samples.append(time.perf_counter() - t0)
     return min(samples)   # the least-interfered run: a busy machine inflates the median, and the per-call term most
+
+
+def h2d_rate(device: torch.device, nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Pinned host-to-device copy bytes/s (the fastest of ``repeats``); 0 on the host, which copies nothing."""
+    if device.type != "cuda":
+        return 0.0
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
 
 
 def _features(c, p, n):
@@ -87,10 +106,10 @@ def profile(runner: ModelRunner, *, max_position: int = 8192, repeats: int = 3, 
         measured[i] = Point(c, p, n, _time_step(runner, cache, c, p, n, repeats))
         if progress:
             progress(done, total)
-    hidden = torch.randn(1, 1, runner.hidden_size, dtype=runner.dtype)
+    hidden = torch.randn(1, 1, runner.hidden_size, dtype=runner.dtype, device=runner.device)
     t0 = time.perf_counter()
     for _ in range(5):
-        runner.logits(hidden)
+        runner.logits(hidden)                           # returns on the host: synchronised
     head = (time.perf_counter() - t0) / 5
     if progress:
         progress(total, total)
@@ -98,7 +117,7 @@ def profile(runner: ModelRunner, *, max_position: int = 8192, repeats: int = 3, 
     a, b, d, e = fit(train_pts)
     model = CostModel(model=runner.name, fingerprint=runner.fingerprint, threads=torch.get_num_threads(),
                       a=a, b=b, d=d, e=e, head=head, kv_bytes_per_token_layer=runner.kv_bytes_per_token() // L,
-                      num_layers=L)
+                      num_layers=L, device=str(runner.device), h2d_bytes_per_s=h2d_rate(runner.device))
     errors = [abs(model.compute_time(pt.c, pt.p, pt.n) - pt.t) / pt.t for pt in test_pts]
     train_errors = [abs(model.compute_time(pt.c, pt.p, pt.n) - pt.t) / pt.t for pt in train_pts]
     model.fit = {

@@ -246,7 +246,7 @@ class PipelinePlanner:
         return (self.config or PlannerConfig()).max_step
 
     def _io(self, bandwidth: float) -> IOModel:
-        return IOModel(bandwidth=bandwidth, cell_bytes=self.cell_bytes)
+        return IOModel(bandwidth=self.cost.loaded_rate(bandwidth), cell_bytes=self.cell_bytes)
 
     def _stage_plan(self, req: Request, layers: tuple[int, int], bandwidth: float, strategy: str,
                     usable: int, inputs: str) -> Plan:
