@@ -56,7 +56,7 @@ class PipelineBenchConfig:
 
 def cost_model(runner, threads: int, max_position: int, progress: Progress) -> CostModel:
     """The model's cost profile measured with ``threads`` torch threads (what each stage has), saved once."""
-    path = default_profile_path(runner.name, runner.fingerprint, threads)
+    path = default_profile_path(runner.name, runner.fingerprint, threads, str(runner.device))
     if path.exists():
         cost = CostModel.load(path)
         if cost.fit.get("max_position", 0) >= max_position:
@@ -168,7 +168,8 @@ def run(cfg: PipelineBenchConfig, progress: Progress = lambda s: None) -> dict:
             progress("reference prefill for the exactness checks")
             ref_kv, ref_logits = runner.reference_prefill(torch.cat([context, query]))
             pipe = Pipeline(name, runner.fingerprint, pool_cfg, cost, seed=cfg.seed, threads=cfg.threads,
-                            timeout_s=cfg.timeout_s)
+                            timeout_s=cfg.timeout_s, dtype=str(runner.dtype).removeprefix("torch."),
+                            device=str(runner.device))
             probe = CellProbe(C, L)
             ids = torch.cat([context, query])
 

@@ -108,6 +108,7 @@ class Pipeline:
     cost: CostModel
     seed: int = 0
     dtype: str = "float32"
+    device: str = "cpu"                   # stage g computes on cuda:g where each stage has a GPU (pipeline/comm.py)
     threads: int = 1                      # torch threads per stage
     timeout_s: float = 300.0              # whole launch; also every collective / receive
     planner: PlannerConfig = field(default_factory=PlannerConfig)
@@ -137,7 +138,8 @@ class Pipeline:
                               "bandwidths": None if run.bandwidths is None else [float(b) for b in run.bandwidths],
                               "strategy": run.strategy, "handoff": run.handoff, "return_kv": run.return_kv,
                               "label": run.label})
-        spec = {"model": self.model, "seed": self.seed, "dtype": self.dtype, "fingerprint": self.fingerprint,
+        spec = {"model": self.model, "seed": self.seed, "dtype": self.dtype, "device": self.device,
+                "fingerprint": self.fingerprint,
                 "pool": _pool_dict(self.pool), "cost": asdict(self.cost), "planner": asdict(self.planner),
                 "threads": self.threads, "timeout_s": self.timeout_s, "world_size": world,
                 "init_method": f"tcp://127.0.0.1:{free_port()}", "dir": str(workdir), "parent": os.getpid(),

@@ -55,6 +55,7 @@ class Stage:
         self.spec, self.rank = spec, rank
         self.dir = Path(spec["dir"])
         self.faults = spec.get("faults") or {}
+        self.executor = None                            # made at the first run, kept for every other
 
     # ------------------------------------------------------------------------------------------ set up
     def phase(self, name: str) -> None:
@@ -80,7 +81,11 @@ class Stage:
         spec = self.spec
         torch.set_num_threads(spec["threads"])
         self.phase("model")
-        self.runner = load_model(spec["model"], seed=spec["seed"], dtype=spec["dtype"])
+        from kvflow.pipeline.comm import backend, stage_device, wire_device
+        device = stage_device(spec.get("device", "cpu"), self.rank, spec["world_size"])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)         # NCCL's and the caching allocator's device for this process
+        self.runner = load_model(spec["model"], seed=spec["seed"], dtype=spec["dtype"], device=device)
         if self.runner.fingerprint != spec["fingerprint"]:
             raise KVFlowError(f"model {spec['model']} built in this stage differs from the parent's (fingerprint "
                               f"{self.runner.fingerprint[:12]} vs {spec['fingerprint'][:12]})")
@@ -88,7 +93,9 @@ class Stage:
         self.pool = KVPool.open(spec["pool"], readonly=True)
         self.cost = CostModel(**spec["cost"])
         self.phase("connect")
-        dist.init_process_group("gloo", init_method=spec["init_method"], rank=self.rank,
+        self.backend = backend(spec.get("device", "cpu"), spec["world_size"])
+        self.wire = wire_device(self.backend, device)
+        dist.init_process_group(self.backend, init_method=spec["init_method"], rank=self.rank,
                                 world_size=spec["world_size"], timeout=timedelta(seconds=spec["timeout_s"]))
 
     # ------------------------------------------------------------------------------------------ one run
@@ -110,9 +117,9 @@ class Stage:
         bandwidths = run["bandwidths"]
         pool.set_throttle(bandwidths[rank] if bandwidths and rank < S else None)
         dist.barrier()
-        origin = torch.tensor([time.perf_counter()], dtype=torch.float64)
+        origin = torch.tensor([time.perf_counter()], dtype=torch.float64, device=self.wire)
         dist.broadcast(origin, 0)                 # CLOCK_MONOTONIC is machine-wide: one time axis for all stages
-        t0 = float(origin)
+        t0 = float(origin.cpu())
         if rank >= S:
             return                                # this run uses fewer stages
         clock = lambda: time.perf_counter() - t0  # noqa: E731
@@ -140,10 +147,11 @@ class Stage:
 
         # -- restore this stage's grid ----------------------------------------------------------------------
         self.phase(f"run {r} restore")
-        data_in = Channel(rank - 1, DATA, runner.hidden_size, runner.dtype) if rank > 0 else None
-        data_out = Channel(rank + 1, DATA, runner.hidden_size, runner.dtype) if not last else None
-        control_in = Channel(rank + 1, CONTROL, runner.hidden_size, runner.dtype) if not last else None
-        control_out = Channel(rank - 1, CONTROL, runner.hidden_size, runner.dtype) if rank > 0 else None
+        where = {"wire": self.wire, "compute": runner.device}
+        data_in = Channel(rank - 1, DATA, runner.hidden_size, runner.dtype, **where) if rank > 0 else None
+        data_out = Channel(rank + 1, DATA, runner.hidden_size, runner.dtype, **where) if not last else None
+        control_in = Channel(rank + 1, CONTROL, runner.hidden_size, runner.dtype, **where) if not last else None
+        control_out = Channel(rank - 1, CONTROL, runner.hidden_size, runner.dtype, **where) if rank > 0 else None
         if sp.inputs == "embed":
             source = EmbedInputs(runner, ids)
         elif sp.inputs == "act":
@@ -152,7 +160,9 @@ class Stage:
             source = HandoffInputs(data_in)
         link = Handoff(source, data_out, per_step=run["handoff"] == "step") if sp.handoff else source
         stage_keys = [[row[layer] for layer in range(l0, l1)] for row in keys]
-        execution = Executor(runner, pool).run(plan, stage_keys, ids, link=link, origin=t0)
+        if self.executor is None:
+            self.executor = Executor(runner, pool)      # one per stage: its staging buffers serve every run
+        execution = self.executor.run(plan, stage_keys, ids, link=link, origin=t0)
         if isinstance(source, HandoffInputs):
             source.drain()
         cache, events = execution.cache, list(execution.timeline)
@@ -255,7 +265,7 @@ class Stage:
                                               "describe": balance.describe()}}
         kv = None
         if run["return_kv"]:
-            kv = [(cache.keys[layer][:, :, :end].clone(), cache.values[layer][:, :, :end].clone())
+            kv = [(cache.keys[layer][:, :, :end].cpu().clone(), cache.values[layer][:, :, :end].cpu().clone())
                   for layer in range(l0, l1)]
         path = self.dir / f"run{r}-stage{rank}.pt"
         torch.save({"report": report, "kv": kv, "logits": logits}, path.with_suffix(".tmp"))
