@@ -92,7 +92,7 @@ def _step_ratio(runner, prompts: list[list[int]], block_size: int, trials: int =
 
     per = -(-(len(prompts[0]) + 1) // block_size)
     cache = PagedKVCache(runner.num_layers, per * len(prompts), block_size, runner.kv_heads, runner.head_dim,
-                         runner.dtype)
+                         runner.dtype, device=runner.device)
     br = BatchRunner(runner, cache)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
     br.execute([StepItem(t, 0, p, False) for t, p in zip(tables, prompts)])

@@ -42,12 +42,12 @@ class Segment:
     blocks: torch.Tensor  # block ids of the sequence's positions [0, start + n) (the step's own K/V written first)
 
 
-def segment_mask(start: int, n: int, window: int | None) -> torch.Tensor | None:
+def segment_mask(start: int, n: int, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor | None:
     """Which of positions [0, start + n) each query start..start+n-1 may see; None where SDPA needs no mask."""
     if window is None and (start == 0 or n == 1):
         return None
-    q = torch.arange(start, start + n).view(-1, 1)
-    k = torch.arange(0, start + n).view(1, -1)
+    q = torch.arange(start, start + n, device=device).view(-1, 1)
+    k = torch.arange(0, start + n, device=device).view(1, -1)
     allowed = k <= q
     if window is not None:
         allowed &= (q - k) < window
@@ -87,10 +87,11 @@ class StepMasks:
         self._masks: dict[tuple, torch.Tensor] = {}
         self._bytes = 0
 
-    def get(self, key: tuple, start: int, n: int, window: int | None) -> torch.Tensor | None:
+    def get(self, key: tuple, start: int, n: int, window: int | None,
+            device: torch.device | str = "cpu") -> torch.Tensor | None:
         if key in self._masks:
             return self._masks[key]
-        mask = segment_mask(start, n, window)
+        mask = segment_mask(start, n, window, device)
         if mask is not None and self._bytes + mask.numel() <= MASK_CACHE_BYTES:
             self._masks[key], self._bytes = mask, self._bytes + mask.numel()
         return mask
@@ -120,7 +121,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         else:
             for r0, r1 in row_blocks(s.start, n, window):
                 end = s.start + r1                   # keys [0, end) are the ones these rows may see
-                mask = masks.get((i, r0, window), s.start + r0, r1 - r0, window)
+                mask = masks.get((i, r0, window), s.start + r0, r1 - r0, window, query.device)
                 causal = mask is None and r1 - r0 > 1
                 outs.append(F.scaled_dot_product_attention(query[:, :, s.q0 + r0:s.q0 + r1], k[:, :, :end],
                                                            v[:, :, :end], attn_mask=mask, is_causal=causal,

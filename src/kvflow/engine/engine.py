@@ -109,6 +109,9 @@ class LLMEngine:
         if self.num_blocks < 1:
             raise ConfigError(f"engine.kv_budget {cfg.kv_budget} B holds no block ({per_block} B per block)")
         self.max_model_len = model_len(runner, cfg)
+        if cfg.elastic_reserve and runner.device.type != "cpu":
+            raise ConfigError(f"engine.elastic_reserve runs on the CPU only: its {runner.device.type} path (mapping "
+                              "and unmapping the lent range of device memory) is not written; serve without it")
         if cfg.holds_to_live_set:   # before any reserve is measured: the probe and the served steps, one heap regime
             hold_to_live_set()
         longest = longest_sequence(runner, cfg, self.num_blocks)
@@ -116,7 +119,8 @@ class LLMEngine:
                         if cfg.elastic_reserve else None)
         lent = self.elastic.lent_ids if self.elastic else []
         self.cache = PagedKVCache(runner.num_layers, self.num_blocks + len(lent), cfg.block_size, runner.kv_heads,
-                                  runner.head_dim, runner.dtype, self.elastic.region.kv if self.elastic else None)
+                                  runner.head_dim, runner.dtype, self.elastic.region.kv if self.elastic else None,
+                                  runner.device)
         self.blocks = BlockManager(self.num_blocks + len(lent), cfg.block_size, cfg.enable_prefix_caching, lent)
         self.batch_runner = BatchRunner(runner, self.cache)
         reserve = cfg.activation_reserve or measure_activation_reserve(

@@ -57,7 +57,7 @@ class BatchRunner:
         self._windows = [runner._sliding_window(i) for i in range(runner.num_layers)]
 
     def execute(self, items: list[StepItem]) -> torch.Tensor:
-        """Run the step; returns fp32 logits [n_sample, vocab] of the items with ``sample``, in order."""
+        """Run the step; returns fp32 logits [n_sample, vocab] of the items with ``sample``, in order (on the host)."""
         assert items
         cache = self.cache
         ids, qpos, write, last, segments = [], [], [], [], []
@@ -65,7 +65,7 @@ class BatchRunner:
         for it in items:
             n, end = len(it.token_ids), it.start + len(it.token_ids)
             ids.extend(it.token_ids)
-            qpos.append(torch.arange(it.start, end))
+            qpos.append(torch.arange(it.start, end, device=cache.device))
             write.append(cache.slots(it.block_table, it.start, end))
             segments.append(Segment(q0, q0 + n, it.start, cache.blocks(it.block_table, end)))
             q0 += n
@@ -73,7 +73,7 @@ class BatchRunner:
                 last.append(q0 - 1)
         slot, masks = _StepSlot(cache, torch.cat(write)), StepMasks()
         with torch.inference_mode():
-            hidden = self._base.embed_tokens(torch.tensor(ids, dtype=torch.long).view(1, -1))
+            hidden = self._base.embed_tokens(torch.tensor(ids, dtype=torch.long, device=cache.device).view(1, -1))
             position_ids = torch.cat(qpos).view(1, -1)
             position_embeddings = self._base.rotary_emb(hidden, position_ids)
             for module in self.runner.layers:
@@ -87,4 +87,4 @@ class BatchRunner:
             if not last:
                 return torch.empty(0, self.runner.config.vocab_size)
             rows = hidden[0, last].unsqueeze(1)                                     # [k, 1, hidden]
-            return self.runner.hf_model.lm_head(self._base.norm(rows)).view(len(last), -1).float()
+            return self.runner.hf_model.lm_head(self._base.norm(rows)).view(len(last), -1).float().cpu()

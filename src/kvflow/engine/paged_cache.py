@@ -16,12 +16,15 @@ import torch
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, storage: torch.Tensor | None = None):
+                 dtype: torch.dtype = torch.float32, storage: torch.Tensor | None = None,
+                 device: torch.device | str = "cpu"):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
         shape = (num_layers, 2, num_blocks * block_size, kv_heads, head_dim)
         assert storage is None or (tuple(storage.shape) == shape and storage.dtype == dtype)
-        self.kv = storage if storage is not None else torch.zeros(shape, dtype=dtype)   # storage: an elastic mmap
+        # storage: an elastic mmap (host) or a probe's own tensor; else the budget on the model's device
+        self.kv = storage if storage is not None else torch.zeros(shape, dtype=dtype, device=device)
+        self.device = self.kv.device
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -29,15 +32,15 @@ class PagedKVCache:
 
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot index of every position in [start, end)."""
-        pos = torch.arange(start, end)
-        table = torch.as_tensor(block_table, dtype=torch.long)
+        pos = torch.arange(start, end, device=self.device)
+        table = torch.as_tensor(block_table, dtype=torch.long, device=self.device)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """K/V of blocks ``src`` into blocks ``dst`` (every layer; the elastic take-back's move)."""
-        bs, offset = self.block_size, torch.arange(self.block_size)
-        s = (torch.as_tensor(src, dtype=torch.long).view(-1, 1) * bs + offset).view(-1)
-        d = (torch.as_tensor(dst, dtype=torch.long).view(-1, 1) * bs + offset).view(-1)
+        bs, offset = self.block_size, torch.arange(self.block_size, device=self.device)
+        s = (torch.as_tensor(src, dtype=torch.long, device=self.device).view(-1, 1) * bs + offset).view(-1)
+        d = (torch.as_tensor(dst, dtype=torch.long, device=self.device).view(-1, 1) * bs + offset).view(-1)
         self.kv[:, :, d] = self.kv[:, :, s]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -47,7 +50,8 @@ class PagedKVCache:
 
     def blocks(self, block_table: list[int], end: int) -> torch.Tensor:
         """Block ids holding positions [0, end)."""
-        return torch.as_tensor(block_table[:(end + self.block_size - 1) // self.block_size], dtype=torch.long)
+        return torch.as_tensor(block_table[:(end + self.block_size - 1) // self.block_size], dtype=torch.long,
+                               device=self.device)
 
     def gather(self, layer: int, blocks: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of positions [0, end) held in ``blocks`` (in order) as [1, H, end, D].
