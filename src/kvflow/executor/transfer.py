@@ -142,10 +142,14 @@ class CudaTransfer:
     def land(self, cache, records) -> None:
         timed = self.trace is not None
         begin, done = torch.cuda.Event(enable_timing=timed), torch.cuda.Event(enable_timing=timed)
+        dtype = cache.keys[0].dtype
         with torch.cuda.stream(self.stream):
             begin.record(self.stream)
             for block, tokens, layers in records:
-                cache.write_block(block, tokens, layers, non_blocking=block.is_pinned())
+                pinned = block.is_pinned()
+                if block.dtype != dtype:      # cast on the device: torch casts a host-to-device copy on the host
+                    block = block.to(self.device, non_blocking=pinned)
+                cache.write_block(block, tokens, layers, non_blocking=pinned)
             done.record(self.stream)
         done.synchronize()                            # the I/O thread waits; the compute stream does not
         self.copies += 1
