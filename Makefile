@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.kvflow-installed
 
-.PHONY: demo test setup clean bench-quick reliability redis vllm
+.PHONY: demo test setup clean bench-quick reliability redis vllm gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -73,6 +73,18 @@ vllm-kvflow: $(VLLM_STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/kvflow bench pool --quick
+
+# On a machine with a CUDA GPU, after `make setup TORCH="torch --index-url https://download.pytorch.org/whl/cu124"`:
+# the GPU tests, then issue 15's shape (llama-3.1-8b random weights, bf16, 16K and 32K, 10/40/80 Gbps links).
+# Outputs under runs/gpu-check/ (docs/GPU.md).
+GPU_MODEL ?= llama-3.1-8b
+gpu-check: $(STAMP)
+	mkdir -p runs/gpu-check
+	nvidia-smi -L | tee runs/gpu-check/device.txt
+	$(BIN)/python -m pytest -m cuda -q -p no:cacheprovider 2>&1 | tee runs/gpu-check/pytest-cuda.txt
+	$(BIN)/kvflow --device cuda profile $(GPU_MODEL) --max-position 32768 --force 2>&1 | tee runs/gpu-check/profile.txt
+	$(BIN)/kvflow --device cuda bench restore --model $(GPU_MODEL) --context 16384 --lengths 16384,32768 \
+		--gbps 10,40,80 --repeats 3 --latency '' --out runs/gpu-check/restore 2>&1 | tee runs/gpu-check/restore.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

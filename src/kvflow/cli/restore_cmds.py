@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -25,8 +26,8 @@ def parse_list(text: str, kind=float, name: str = "list") -> list:
         values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise KVFlowError(f"bad {name} {text!r}: expected comma-separated {kind.__name__}s") from None
-    if not values or any(v <= 0 for v in values):
-        raise KVFlowError(f"bad {name} {text!r}: values must be positive")
+    if not values or any(not math.isfinite(v) or v <= 0 for v in values):
+        raise KVFlowError(f"bad {name} {text!r}: values must be positive finite numbers")
     return values
 
 
@@ -212,6 +213,9 @@ def bench_restore(
     repeats: int = typer.Option(3, min=1, help="interleaved repeats per point (median reported)"),
     latency: str = typer.Option("0.0001,0.001", help="per-read link latencies (seconds) swept at rho=1; '' for none"),
     disk: bool = typer.Option(True, help="also run unthrottled from a real-disk O_DIRECT extent file"),
+    gbps: Optional[str] = typer.Option(None, "--gbps", help="links in Gbit/s instead of --rho (a GPU's: 10,40,80): "
+                                                          "each becomes rho = link / the recompute rate measured at "
+                                                          "the start of the run"),
     batch: Optional[str] = typer.Option(None, help="batch sizes, e.g. 2,4,8: run the batch benchmark instead"),
     quick: bool = typer.Option(False, "--quick", help="small model and contexts: a smoke run in about a minute"),
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/bench-restore-<time>)"),
@@ -226,6 +230,7 @@ def bench_restore(
     if quick:
         model, context_len, rhos, lengths, repeats, latency = "qwen2.5-0.5b@layers=2", 2048, "1,8", "512,2048", 1, ""
     rho_list = parse_list(rhos, float, "--rho")
+    gbps_list = parse_list(gbps, float, "--gbps") if gbps else []
     latencies = parse_list(latency, float, "--latency") if latency.strip() else []
     len_list = [int(x) for x in parse_list(lengths, int, "--lengths")]
     batch_sizes = [int(x) for x in parse_list(batch, int, "--batch")] if batch else []
@@ -258,6 +263,10 @@ def bench_restore(
                           disk_dir=str(folder) if disk else None, progress=status)
     try:
         result["recompute_rate_mib_s"] = bench.recompute_rate / 2**20
+        if gbps_list:            # the same sweep, its points named by link rate: rho follows from this run's rate
+            rho_list = [g * 1e9 / 8 / bench.recompute_rate for g in gbps_list]
+            result["gbps"] = gbps_list
+            status("links " + ", ".join(f"{g:g} Gbps = rho {r:.3g}" for g, r in zip(gbps_list, rho_list)))
         result["rho_sweep"] = rb.sweep_rho(bench, context_len, rho_list, STRATEGIES, repeats, status, latencies)
         # the rho = 1 point of the sweep is the length sweep's point at context_len: measured once
         reuse = next((p for p in result["rho_sweep"] if p["rho"] == 1.0 and not p["latency_s"]
