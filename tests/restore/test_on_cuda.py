@@ -15,6 +15,7 @@ from kvflow.model import load_model
 from kvflow.model.device import cuda_available
 from kvflow.planner import STRATEGIES
 from tests.conftest import max_abs_diff_kv
+from tests.model.test_device import staging_stays_flat
 from tests.restore.test_restore_exactness import ids, synthetic_cost
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")]
@@ -73,15 +74,6 @@ def test_loads_cross_on_the_transfer_stream_while_the_device_computes(gpu_model)
 
 
 def test_pinned_staging_buffers_are_reused_over_100_restores(gpu_model):
-    pool = KVPool.memory("256M", chunk_tokens=64, devices=2)
-    restorer = Restorer(gpu_model, pool, cost=synthetic_cost(gpu_model))
-    context, query = ids(1024, 5), ids(4, 6)
-    restorer.store(context)
-    staging = restorer.executor.transfer.staging
-    for strategy in ("load", "cacheflow", "token", "cake"):
-        restorer.restore(context, query, strategy)
-    made = staging.allocated
-    assert staging.pinned and made > 0
-    for i in range(100):
-        restorer.restore(context, query, ("load", "cacheflow", "token", "cake")[i % 4])
-    assert staging.allocated == made and staging.outstanding == 0
+    staging, out, context, query = staging_stays_flat(gpu_model, 64, 1024, 5)
+    assert staging.pinned
+    check(gpu_model, out, context, query)

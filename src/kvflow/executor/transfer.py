@@ -12,7 +12,8 @@ device's work is timed. The one place in the executor that knows a device (DESIG
 
 Staging buffers are pooled by size (records of one pool are mostly one size) and reused, never pinned per read:
 pinning is a page-locking system call as slow as the copy it helps. Buffers held beyond ``keep_bytes`` (free ones)
-are released; ``allocated`` counts every buffer ever made, which the tests pin (no growth over repeated restores).
+are released; ``allocated`` counts every buffer ever made and ``peak`` the most out at once: with one record size
+they are equal — a buffer is made only when every one is out (the tests pin it over repeated restores).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Staging:
         self.out_ptrs: list[int] = []                 # sorted keys of ``out``
         self.allocated = 0                            # buffers ever made
         self.allocated_bytes = 0
+        self.peak = 0                                 # most buffers out at once
 
     def take(self, nbytes: int) -> torch.Tensor:
         size = -(-nbytes // ALIGN) * ALIGN
@@ -53,6 +55,7 @@ class Staging:
             ptr = buf.data_ptr()
             self.out[ptr] = buf
             bisect.insort(self.out_ptrs, ptr)
+            self.peak = max(self.peak, len(self.out))
         return buf[:nbytes]
 
     def give(self, tensor: torch.Tensor | None) -> None:
