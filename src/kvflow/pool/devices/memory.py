@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from kvflow.errors import ConfigError
-from kvflow.pool.devices.base import (SUPERBLOCK, Device, aligned_empty, copy_bytes, file_size, not_a_device,
+from kvflow.pool.devices.base import (SUPERBLOCK, Device, copy_bytes, file_size, not_a_device,
                                       into, pack_superblock, parse_superblock)
 
 
