@@ -149,3 +149,15 @@ def test_restoring_on_the_async_worker_is_exact_too(tiny, restorer):
     assert [o.token_ids for o in outs] == [hf_greedy(tiny, p, 5) for p in prompts]
     assert [o.cached_tokens for o in outs] == [128, 64]
     eng.close()
+
+
+def test_an_engine_held_to_its_budget_keeps_no_staging_buffer_between_restores(tiny, restorer):
+    context = ids(130, 3)
+    restorer.store(context)
+    held = engine(tiny, restorer, release_heap=True, activation_reserve=1 << 20)
+    prompt = context + ids(4, 4)
+    assert held.generate([prompt], SamplingParams(max_tokens=3))[0].token_ids == hf_greedy(tiny, prompt, 3)
+    staging = restorer.executor.transfer.staging
+    assert held.stats.requests_by_hit["pool"] == 1 and staging.allocated > 0
+    assert staging.free_bytes == 0 and staging.outstanding == 0     # what the memory budget line does not count
+    held.close()

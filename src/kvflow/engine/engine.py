@@ -129,6 +129,8 @@ class LLMEngine:
                                    cfg.block_size, len(lent))
         log.info("%s", self.memory.line())
         self.pool = PoolTier(restorer, cfg.strategy, cfg.write_queue) if restorer is not None else None
+        if restorer is not None and cfg.holds_to_live_set:
+            restorer.executor.transfer.staging.keep_bytes = 0   # no staging kept between restores: not in the budget
         self._restorer = (ThreadPoolExecutor(1, thread_name_prefix="kvflow-restore", initializer=single_threaded)
                           if self.pool else None)     # one OpenMP team per process: kvflow/threads.py
         self._jobs: list[_RestoreJob] = []

@@ -12,7 +12,7 @@ device's work is timed. The one place in the executor that knows a device (DESIG
 
 Staging buffers are pooled by size (records of one pool are mostly one size) and reused, never pinned per read:
 pinning is a page-locking system call as slow as the copy it helps. Buffers held beyond ``keep_bytes`` (free ones)
-are released; ``allocated`` counts every buffer ever made and ``peak`` the most out at once: with one record size
+are released (an engine held to its memory budget keeps none: ``keep_bytes = 0``, engine.py); ``allocated`` counts every buffer ever made and ``peak`` the most out at once: with one record size
 they are equal — a buffer is made only when every one is out (the tests pin it over repeated restores).
 """
 
