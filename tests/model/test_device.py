@@ -137,3 +137,21 @@ def test_a_cuda_profile_is_its_own_file_and_prices_the_copy_in_series():
     cost.h2d_bytes_per_s = 3e9
     assert cost.loaded_rate(1e9) == pytest.approx(0.75e9)                # 1 / (1/link + 1/copy)
     assert cost.loaded_rate(float("inf")) == pytest.approx(3e9)          # unthrottled: the copy alone
+
+
+def test_a_read_that_did_not_use_its_staging_buffer_hands_it_back(tiny, monkeypatch):
+    restorer = Restorer(tiny, KVPool.memory("64M", chunk_tokens=32), cost=synthetic_cost(tiny))
+    context = ids(64, 7)
+    restorer.store(context)
+    keys = [k for row in restorer.keys(context) for k in row]
+    staging = Staging()
+    got = restorer.pool.get_many(keys, staging=staging)
+    assert staging.outstanding == len(keys)                  # every record a view of its buffer
+    for tensor in got.values():
+        staging.give(tensor)
+    device = restorer.pool.slots[0].device
+    inner = getattr(device, "inner", device)
+    own = inner.read
+    monkeypatch.setattr(inner, "read", lambda offset, length, out=None: own(offset, length))   # a buffer of its own
+    got = restorer.pool.get_many(keys, staging=staging)
+    assert all(t is not None for t in got.values()) and staging.outstanding == 0

@@ -654,23 +654,18 @@ class KVPool:
         """Worker thread. One read into a page-aligned buffer (fresh, or the caller's staging buffer; GIL released),
         then verify against the key."""
         slot = self._state.slots[entry.dev]
-        if staging is None:
-            data = _retry(slot.device.read, entry.offset, entry.length)
-        else:
-            out = staging.take(padded(entry.length))
-            try:
-                data = _retry(slot.device.read, entry.offset, entry.length, out)
-            except BaseException:
-                staging.give(out)
-                raise
+        out = staging.take(padded(entry.length)) if staging is not None else None
         try:
+            data = _retry(slot.device.read, entry.offset, entry.length, out)
             header, tensor = decode(data.numpy(), expect=key)
             if header.seq != entry.seq and not getattr(slot.device, "content_addressed", False):   # remote: any
                 raise RecordError(f"record sequence {header.seq} differs from the index ({entry.seq}): stale extent")
         except BaseException:
-            if staging is not None:
-                staging.give(data)
+            if out is not None:
+                staging.give(out)
             raise
+        if out is not None and data.data_ptr() != out.data_ptr():    # the device read into a buffer of its own
+            staging.give(out)
         slot.errors_in_row = 0
         return tensor
 
