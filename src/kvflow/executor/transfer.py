@@ -11,9 +11,10 @@ device's work is timed. The one place in the executor that knows a device (DESIG
                  device busy time, not host launch time
 
 Staging buffers are pooled by size (records of one pool are mostly one size) and reused, never pinned per read:
-pinning is a page-locking system call as slow as the copy it helps. Buffers held beyond ``keep_bytes`` (free ones)
-are released (an engine held to its memory budget keeps none: ``keep_bytes = 0``, engine.py); ``allocated`` counts every buffer ever made and ``peak`` the most out at once: with one record size
-they are equal — a buffer is made only when every one is out (the tests pin it over repeated restores).
+pinning is a page-locking system call as slow as the copy it helps. Free buffers beyond ``keep_bytes`` are released
+(an engine held to its memory budget keeps none: ``keep_bytes = 0``, engine.py). ``allocated`` counts every buffer
+ever made and ``peak`` the most out at once: with one record size they are equal — a buffer is made only when every
+one is out (the tests pin it over repeated restores).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import threading
 
 import torch
 
-from kvflow.pool.devices.base import ALIGN
+from kvflow.pool.devices.base import aligned_empty, padded
 
 KEEP_BYTES = 512 << 20      # free staging bytes kept for reuse at most (beyond: released)
 
@@ -40,11 +41,10 @@ class Staging:
         self.out: dict[int, torch.Tensor] = {}        # data_ptr -> buffer handed out
         self.out_ptrs: list[int] = []                 # sorted keys of ``out``
         self.allocated = 0                            # buffers ever made
-        self.allocated_bytes = 0
         self.peak = 0                                 # most buffers out at once
 
     def take(self, nbytes: int) -> torch.Tensor:
-        size = -(-nbytes // ALIGN) * ALIGN
+        size = padded(nbytes)
         with self.lock:
             spare = self.free.get(size)
             if spare:
@@ -87,17 +87,12 @@ class Staging:
             self.out_ptrs.clear()
 
     def _new(self, size: int) -> torch.Tensor:
-        raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
-        skip = -raw.data_ptr() % ALIGN
         self.allocated += 1
-        self.allocated_bytes += size
-        return raw[skip:skip + size]
+        return aligned_empty(size, self.pinned)
 
 
 class HostTransfer:
     """The CPU: records are copied into the cache on the thread that lands them; spans are host times."""
-
-    device = torch.device("cpu")
 
     def __init__(self) -> None:
         self.staging = Staging(pinned=False)

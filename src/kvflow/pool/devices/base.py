@@ -36,9 +36,10 @@ _SB = struct.Struct("<4sHxxQ")
 _SB_MAGIC = b"KVFD"
 
 
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    """Uninitialised uint8 tensor of ``nbytes`` whose data starts on a page boundary (O_DIRECT- and pin-able)."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+def aligned_empty(nbytes: int, pinned: bool = False) -> torch.Tensor:
+    """Uninitialised uint8 tensor of ``nbytes`` whose data starts on a page boundary (O_DIRECT-able; page-locked
+    for a CUDA copy with ``pinned``)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip:skip + nbytes]
 

@@ -91,9 +91,9 @@ class Throttled:
     def read(self, offset: int, length: int, out: torch.Tensor | None = None) -> torch.Tensor:
         bucket, latency = self._read, self.latency
         if bucket is None and not latency:
-            return self.inner.read(offset, length, out) if out is not None else self.inner.read(offset, length)
+            return self.inner.read(offset, length, out)
         deadline = (bucket.reserve(length, burst=not latency) if bucket is not None else self.clock()) + latency
-        data = self.inner.read(offset, length, out) if out is not None else self.inner.read(offset, length)
+        data = self.inner.read(offset, length, out)
         self._wait_until(deadline)
         return data
 
