@@ -18,8 +18,6 @@ except ImportError:  # pragma: no cover
 from kvflow.config import warn_unknown_env
 from kvflow.errors import KVFlowError
 
-DEVICE_ENV = "KVFLOW_DEVICE"
-
 app = typer.Typer(help="kvflow: exact, fast KV-cache restoration for long contexts.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 bench_app = typer.Typer(help="Benchmarks: each prints a table and writes JSON + PNG.", no_args_is_help=True)
@@ -69,12 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     warn_unknown_env()
     try:
         argv, device = take_device(list(sys.argv[1:] if argv is None else argv))
+        from kvflow.model import device as devices      # torch is imported by _register already
         if device is not None:
-            from kvflow.model.device import set_default_device
-            set_default_device(device)        # one ModelError line for a device torch lacks
-        elif os.environ.get(DEVICE_ENV, "").strip():
-            from kvflow.model.device import resolve
-            resolve(None)                     # a bad $KVFLOW_DEVICE: one line now, not inside a command
+            devices.set_default_device(device)          # one ModelError line for a device torch lacks
+        elif os.environ.get(devices.ENV, "").strip():
+            devices.resolve(None)                       # a bad $KVFLOW_DEVICE: one line now, not inside a command
         rc = app(args=argv, standalone_mode=False)  # non-standalone click returns typer.Exit's code
         return rc if isinstance(rc, int) else 0
     except KVFlowError as err:
