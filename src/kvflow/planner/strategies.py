@@ -148,6 +148,17 @@ class Planner:
         n, L = req.stored_chunks, self.L
         if n == 0:
             return self.static_plan("staircase", req, [])
+        priced: dict[tuple[int, ...], tuple[Plan, float, bool]] = {}   # one prediction per split (families overlap)
+
+        def price(split: list[int]) -> tuple[Plan, float, bool]:
+            """(plan, predicted TTFT, compute predicted shorter than I/O)"""
+            key = tuple(split)
+            if key not in priced:
+                plan = self.static_plan("staircase", req, key)
+                p = predict(plan, self.cost, self.io)
+                priced[key] = (plan, p.ttft_s, p.compute_s < p.io_s)
+            return priced[key]
+
         best = None
         for s in range(L + 1):
             for family in ("a", "b"):
@@ -156,19 +167,18 @@ class Planner:
                     if family == "a":
                         return [L] * m + ([s] + [0] * (rest - 1) if rest else [])
                     return [L] * m + [s] * rest
-                for m in self._balanced(lambda m: self.static_plan("staircase", req, split(m)), n):
-                    plan = self.static_plan("staircase", req, split(m))
-                    if best is None or self._ttft(plan) < self._ttft(best):
-                        best = plan
-        return best
+                for m in self._balanced(lambda m: price(split(m))[2], n):
+                    plan, ttft, _ = price(split(m))
+                    if best is None or ttft < best[1]:
+                        best = (plan, ttft)
+        return best[0]
 
-    def _balanced(self, make, n: int) -> list[int]:
-        """m values around the point where predicted compute stops being shorter than I/O."""
+    def _balanced(self, compute_shorter, n: int) -> list[int]:
+        """m values around the point where predicted compute stops being shorter than I/O (``compute_shorter(m)``)."""
         lo, hi = 0, n
         while lo < hi:
             mid = (lo + hi) // 2
-            p = predict(make(mid), self.cost, self.io)
-            if p.compute_s < p.io_s:
+            if compute_shorter(mid):
                 lo = mid + 1
             else:
                 hi = mid
@@ -179,8 +189,8 @@ class Planner:
                       self._recompute(req)]
         if req.stored_chunks == 0:
             candidates = candidates[-1:]
-        regrets = self.regrets(candidates)
-        nominal = [self._ttft(p) for p in candidates]
+        times = self.scenario_times(candidates)
+        regrets, nominal = self.regrets(candidates, times), times[(1.0, 1.0)]
         best = min(range(len(candidates)), key=lambda i: (round(regrets[i], 3), nominal[i]))
         choice = candidates[best]
         return replace(choice, strategy="cacheflow", notes={"chose": choice.strategy, "regret": regrets[best],
@@ -191,16 +201,22 @@ class Planner:
         c, i = 1 + self.config.compute_band, 1 + self.config.io_band
         return [(fc, fi) for fc in (1 / c, 1.0, c) for fi in (1 / i, 1.0, i)]
 
-    def regrets(self, plans: list[Plan]) -> list[float]:
-        """Each plan's worst ratio, over the scenarios, of its predicted TTFT to the best of ``plans`` there. A
-        dynamic meet is re-simulated at each speed (it moves at run time); a static split keeps its cells."""
-        worst = [1.0] * len(plans)
+    def scenario_times(self, plans: list[Plan]) -> dict[tuple[float, float], list[float]]:
+        """Each plan's predicted TTFT in each scenario. A dynamic meet is re-simulated at each speed (it moves at
+        run time); a static split keeps its cells."""
+        out = {}
         for fc, fi in self.scenarios():
             cost = self.cost.scaled(fc)
             io = replace(self.io, bandwidth=self.io.bandwidth / fi, step_latency=self.io.step_latency * fi)
-            times = [predict(p, cost, io).ttft_s for p in plans]
-            fastest = min(times)
-            worst = [max(w, t / fastest) if fastest > 0 else w for w, t in zip(worst, times)]
+            out[(fc, fi)] = [predict(p, cost, io).ttft_s for p in plans]
+        return out
+
+    def regrets(self, plans: list[Plan], times: dict | None = None) -> list[float]:
+        """Each plan's worst ratio, over the scenarios, of its predicted TTFT to the best of ``plans`` there."""
+        worst = [1.0] * len(plans)
+        for scenario in (times or self.scenario_times(plans)).values():
+            fastest = min(scenario)
+            worst = [max(w, t / fastest) if fastest > 0 else w for w, t in zip(worst, scenario)]
         return worst
 
     def _ttft(self, plan: Plan) -> float:
