@@ -35,6 +35,8 @@ def test_rho_and_length_sweeps_write_json_and_pngs(tmp_path):
         assert len({r["measured_bound_s"] for r in rows.values()}) == 1
         assert all(r["vs_measured_bound"] == pytest.approx(r["ttft_s"] / r["measured_bound_s"]) for r in rows.values())
         assert all(r["model_bound_s"] > 0 for r in rows.values())
+        # every repeat's plan is recorded (cacheflow's choice may change between repeats), the median's among them
+        assert all(len(r["plan_runs"]) == len(r["ttft_runs"]) and r["plan"] in r["plan_runs"] for r in rows.values())
     acc = result["acceptance"]
     assert 0 < acc["rho1_cacheflow_vs_cake"] and acc["max_abs_diff"] <= 1e-4
     assert acc["rho1_cacheflow_vs_measured_bound"] > 0

@@ -193,6 +193,7 @@ def measure(bench: Bench, pool_name: str, n: int, strategies, repeats: int, prog
             "blocked_io_s": t.blocked_io_s, "lookup_s": t.lookup_s, "plan_s": t.plan_s,
             "max_abs_diff": max(d for _, d, _ in outs), "argmax_ok": all(ok for _, _, ok in outs),
             "plan": mid.plan.describe(), "chose": mid.plan.notes.get("chose", s),
+            "plan_runs": [o.plan.describe() for o, _, _ in outs],      # cacheflow's choice may differ per repeat
             "band": mid.plan.notes.get("band"),
             "fallback_chunks": mid.fallback_chunks, "_result": mid,
         }
