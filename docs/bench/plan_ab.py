@@ -3,6 +3,10 @@ process, interleaved (15 plans each at rho = 1 and 8), medians; asserts both pic
 
     git show 3f82804:src/kvflow/planner/strategies.py > /tmp/old_strategies.py
     .venv/bin/python docs/bench/plan_ab.py PROFILE.json > docs/bench/plan_ab.json
+
+(The committed plan_ab.json was made with a hand-written 64-byte record header; the cell size now takes the
+record's own, kvflow.chunks.record.HEADER_SIZE (128 bytes), as the restorer's I/O model does — 64 bytes more in
+a 262 KB cell; not re-run since.)
 """
 import importlib.util
 import json
@@ -11,6 +15,7 @@ import sys
 import time
 
 import kvflow.planner.strategies as new
+from kvflow.chunks.record import HEADER_SIZE
 from kvflow.cost.model import CostModel
 from kvflow.planner.predict import IOModel
 
@@ -21,7 +26,7 @@ spec.loader.exec_module(old)
 cost = CostModel.load(sys.argv[1])
 ms = {"base": [], "new": []}
 for rho in (1, 8):
-    io = IOModel(bandwidth=cost.bandwidth_for_rho(rho), cell_bytes=256 * cost.kv_bytes_per_token_layer + 64)
+    io = IOModel(bandwidth=cost.bandwidth_for_rho(rho), cell_bytes=256 * cost.kv_bytes_per_token_layer + HEADER_SIZE)
     for _ in range(15):
         for name, mod in (("base", old), ("new", new)):
             planner = mod.Planner(cost, io, 4, 256, mod.PlannerConfig())
