@@ -38,12 +38,12 @@ def test_a_compute_side_faster_than_planned_claims_more():
 def test_the_load_in_flight_counts_before_the_io_side_reaches_a_chunk():
     p = plan(chunk_compute_s=(0.01,) * 5 + (0.08,) * 5, chunk_io_s=0.05)
     b = board(p, hi=6, io_chunk_s=0.05)
-    b.in_flight = 1
+    b.in_flight = b.in_flight_chunks = 1
     b.io_started = 0.0      # chunk 6's load just began: the I/O side reaches chunk 5 at 0.05 + 0.05 > 0.09
     assert b.guard(4 * C, 6 * C, 0.0) == (6 * C, False)
     b.io_started = -0.05    # it is landing now: chunk 5 would be loaded at 0.05 < 0.09, so compute leaves it
     assert b.guard(4 * C, 6 * C, 0.0) == (5 * C, True)
-    b.in_flight = 2         # reads run ahead: one more chunk is queued behind the landing one -> 0.10 > 0.09
+    b.in_flight = b.in_flight_chunks = 2   # reads run ahead: one more chunk is queued behind the landing one -> 0.10 > 0.09
     assert b.guard(4 * C, 6 * C, 0.0) == (6 * C, False)
 
 

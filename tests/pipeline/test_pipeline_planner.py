@@ -128,3 +128,11 @@ def test_splits_are_parsed_and_checked():
         even_split(2, 3)
     with pytest.raises(KVFlowError, match="mode"):
         planner().plan(Request(C, 1, 1), [(0, L)], [1e9], mode="eager")
+
+
+def test_a_stage_plan_never_groups_its_last_loads():
+    """A stage runs no query, so its meet has no last group (the executor asserts it): the stage plan turns the
+    token plan's pipelined query off."""
+    p = planner()
+    plan = p.plan(Request(16 * C, 8, 16), [(0, L // 2), (L // 2, L)], links(p, [(0, L // 2), (L // 2, L)], 8))
+    assert all(s.plan.dynamic_meet and not s.plan.pipelined_query and not s.plan.query_s for s in plan.stages)

@@ -42,7 +42,8 @@ def test_every_plan_can_fill_every_cell_and_static_plans_fill_each_exactly_once(
         assert computed == list(range(n)) and all(s.layers == (0, L) for s in plan.compute)
         assert [s.chunks for s in plan.loads] == [(i, i + 1) for i in reversed(range(n))]
         assert all(s.layers == (0, L) for s in plan.loads)
-        assert not plan.pipelined_query, "the executor pipelines only static plans' queries"
+        # token's meet may end in a last group with the query pipelined behind it; cake's (Cake) never does
+        assert plan.pipelined_query == (strategy in ("token", "cacheflow"))
         return
     computed, loaded = cells(plan)
     assert not computed & loaded

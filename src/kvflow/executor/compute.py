@@ -74,20 +74,20 @@ class ComputeSide:
     def _cell_meet_step(self, job: Job, board: Board, step: ComputeStep) -> None:
         """Dynamic meet that never claims the last unclaimed chunk whole: once one chunk is left, it is shared
         (compute bottom-up, I/O top-down). Chunks below it were all recomputed here, so each of its layers can
-        be; the I/O side needs nothing."""
+        be; the I/O side needs nothing. In a pipelined meet the claim may stop short for good (the board's stop
+        point): the I/O side then loads every chunk left as the last group, and nothing is shared."""
         C, sync = job.plan.chunk_tokens, self.sync
         (a, b), layers = step.tokens, step.layers
         end = 0
         with sync.cond:
             board.compute_left -= 1
             if a // C == board.lo and board.shared is None:
-                c1 = min(b // C, board.hi - 1)
-                if c1 > board.lo:
-                    board.lo, end = c1, c1 * C
+                c1 = board.compute_claim(min(b // C, board.hi - (1 if board.sharing() else 0)), sync.clock())
+                end = c1 * C if c1 > a // C else 0
         if end:
             self.grid_step(job, board, (a, end), layers, self.runner.embed(job.token_ids[a:end]))
         with sync.cond:
-            if board.shared is None and board.hi - board.lo == 1:
+            if board.sharing() and board.shared is None and board.hi - board.lo == 1:
                 board.shared = board.lo
             mine = board.shared is not None and not board.shared_visited[0]
             board.shared_visited[0] = board.shared_visited[0] or mine

@@ -74,6 +74,8 @@ class Executor:
             assert job.token_ids.numel() == job.plan.context_len + job.plan.query_len
             assert len(job.keys) >= job.plan.num_chunks
             assert job.link is not None or job.plan.layer_offset == 0, "a layer range needs a StageLink for inputs"
+            assert job.link is None or not (job.plan.dynamic_meet and job.plan.pipelined_query), \
+                "a pipeline stage runs no query: its meet has no last group"
             assert job.plan.layer_offset + job.plan.num_layers <= self.runner.num_layers
             job.cache = job.cache or self.runner.new_cache(job.plan.context_len + job.plan.query_len)
         boards = [Board(job.plan, cell_meet=job.plan.cell_meet and job.link is None) for job in jobs]
@@ -138,8 +140,8 @@ class Executor:
                         if not wait:
                             return
                         head = remaining[0]
-                        if jobs[head].plan.pipelined_query and not jobs[head].plan.dynamic_meet:
-                            ready = [head]         # static pipelined: start now, layer by layer
+                        if boards[head].pipelines_query():
+                            ready = [head]         # pipelined: start now, layer by layer
                         else:
                             w0 = sync.clock()
                             sync.wait(0.05, lambda: f"request {head}'s grid waiting for "

@@ -1,7 +1,7 @@
 """The finish of one request, on the compute thread once its grid is whole: fallback recompute of the chunks that
 failed, the check that every grid cell was filled exactly once (kvflow.executor.cells), tail + query (layer by
-layer for a static pipelined plan, waiting only for each layer's cells), then — for every request served together —
-one LM-head pass."""
+layer for a static pipelined plan and for a meet with a last group, waiting only for each layer's cells), then — for
+every request served together — one LM-head pass."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ class Finish:
         pieces = [(a, min(a + plan.step_tokens, s1)) for a in range(s0, s1, plan.step_tokens)]
         hidden = {a: runner.embed(job.token_ids[a:b]) for a, b in pieces} if job.link is None else {}
         first_layer = 0
-        if plan.pipelined_query and not plan.dynamic_meet and job.link is None:
+        with sync.cond:
+            pipelined = board.pipelines_query() and job.link is None
+        if pipelined:
             for layer in range(L):
                 w0 = clock()
                 with sync.cond:
-                    sync.wait_for(lambda: board.pending[layer] == 0,
+                    sync.wait_for(lambda: board.layer_in(layer),
                                   lambda: f"request {r}'s query waiting for the loads of layer {layer}")
                     failed = board.failed_at_or_below(layer) or bool(sync.io_error)
                     if not failed:

@@ -4,7 +4,9 @@ Reads run ahead: up to ``depth`` loads are in the pool at once (``depth`` = its 
 that finished its share of one read starts on the next instead of idling while another finishes (a read of one
 layer's records, or of an odd number of them, is never spread evenly). Loads land — are written into the cache and
 become visible — in order. A dynamic-meet load is claimed when it is issued; near the meet (two unclaimed chunks or
-fewer) claims wait until nothing is in flight, so running ahead never takes a chunk from the compute side.
+fewer) claims wait until nothing is in flight, so running ahead never takes a chunk from the compute side. A
+pipelined meet's last group (kvflow.planner.group) is one read per layer, bottom up; after it, claims wait for it to
+land, so the I/O side goes below it only when the compute side runs late.
 
 Safety: the thread checks ``sync.stop`` between reads (the compute side failed: end now, pending reads cancelled);
 every read has a deadline (``stall_s``): one that does not return in time is a StallError naming the load and the
@@ -99,6 +101,8 @@ class IOSide:
                         with sync.cond:
                             reading = any(f[0] == r for f in self.flight)
                             claim = board.claim((c0, c1), reading, sync.clock())
+                            if claim == "group":
+                                sync.notify()
                         if claim is not None:
                             break
                         self.land()                  # near the meet: let what is in flight land, then decide
@@ -109,10 +113,11 @@ class IOSide:
                         self.load_shared(r, c0)
                         self.landed_at = sync.clock()
                         continue
-                wanted = [job.keys[i][layer] for i in range(c0, c1) for layer in range(l0, l1)]
-                self.flight.append((r, (c0, c1), (l0, l1), wanted, self.reads.submit(wanted), sync.clock()))
-                while len(self.flight) >= self.depth and not sync.stop.is_set():
-                    self.land()
+                    if claim == "group":     # the last group: one read per layer, bottom up
+                        for layer in range(job.plan.num_layers):
+                            self.issue(r, board.group, (layer, layer + 1))
+                        continue
+                self.issue(r, (c0, c1), (l0, l1))
             self.drain()
         except BaseException as err:  # surfaced on the compute thread
             sync.io_error.append(err)
@@ -122,6 +127,14 @@ class IOSide:
                 log.warning("executor: %d pool read(s) stuck past the stall timeout left on daemon threads %s",
                             len(left), ", ".join(t.name for t in left))
             sync.end_io()
+
+    def issue(self, r: int, chunks: tuple[int, int], layers: tuple[int, int]) -> None:
+        """Submit one read, landing the oldest while ``depth`` are in flight."""
+        keys = self.jobs[r].keys
+        wanted = [keys[i][layer] for i in range(*chunks) for layer in range(*layers)]
+        self.flight.append((r, chunks, layers, wanted, self.reads.submit(wanted), self.sync.clock()))
+        while len(self.flight) >= self.depth and not self.sync.stop.is_set():
+            self.land()
 
     def drain(self) -> None:
         while self.flight:

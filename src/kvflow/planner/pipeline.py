@@ -265,7 +265,8 @@ class PipelinePlanner:
         if plan.dynamic_meet:
             guard = dict(chunk_compute_s=tuple(self.cost.step_time((i * C, (i + 1) * C), n_layers)
                                                for i in range(req.stored_chunks)),
-                         chunk_io_s=io.read_time(n_layers))
+                         chunk_io_s=io.read_time(n_layers),
+                         pipelined_query=False, query_s=())     # a stage runs no query: no last group
         return replace(plan, compute=compute, layer_offset=layers[0], strategy=f"stage-{strategy}", **guard)
 
 

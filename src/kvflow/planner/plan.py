@@ -24,7 +24,9 @@ than planned is what the meet must avoid). ``chunk_io_s`` is the plan's predicti
 With ``cell_meet`` the pointers meet inside a chunk: the last unclaimed chunk is shared layer by layer — the compute
 side recomputes its lower layers bottom-up, the I/O side loads its upper layers top-down (a staircase decided at
 run time), so neither side idles for more than one cell at the end.
-With ``pipelined_query`` the query runs layer by layer, each layer waiting only for that layer's cells.
+With ``pipelined_query`` the query runs layer by layer, each layer waiting only for that layer's cells. For a static
+plan its layer-major loads give that; for a dynamic meet (with ``chunk_compute_s`` and ``query_s``) the I/O side
+claims its last chunks as one group at run time and loads them layer by layer bottom up (kvflow.planner.group).
 
 A pipeline stage's plan covers only its own layers: layer indices in ``split`` and in the steps are relative to
 ``layer_offset`` (model layer = layer_offset + plan layer), and ``num_layers`` is the stage's layer count.
@@ -74,6 +76,7 @@ class Plan:
     chunk_compute_s: tuple[float, ...] = ()   # dynamic meet guard: predicted recompute seconds of each chunk ...
     chunk_io_s: float = 0.0                   # ... and of loading one chunk (empty / 0: no guard)
     cell_meet: bool = False              # dynamic meet: share the last unclaimed chunk layer by layer
+    query_s: tuple[float, ...] = ()      # pipelined meet: predicted tail + query seconds (one layer, every layer)
     predicted: Prediction | None = None
     lower_bound_s: float | None = None
     notes: dict = field(default_factory=dict)

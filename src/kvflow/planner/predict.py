@@ -33,9 +33,9 @@ def query_time(cost: CostModel, plan: Plan) -> tuple[float, float]:
 
 
 def predict(plan: Plan, cost: CostModel, io: IOModel) -> Prediction:
-    """The plan's time on the cost model: a dynamic meet through the one simulator (planner/simulate.py), a static
-    plan by adding up each side. Only a static plan's query runs layer by layer as its layers land (the executor
-    pipelines nothing else)."""
+    """The plan's time on the cost model: a dynamic meet through the one simulator (planner/simulate.py, which also
+    prices a pipelined meet's last group), a static plan by adding up each side, its pipelined query layer by layer
+    as its layers land."""
     L = plan.num_layers
     if plan.dynamic_meet:
         sim = simulate_plan(plan, cost, io.read_time)

@@ -10,6 +10,10 @@ Every prediction of a run-time meet goes through :func:`simulate` — one reques
     cell meet      (``plan.cell_meet``) the compute side never claims the last unclaimed chunk whole; once one is
                    left both sides share it layer by layer — compute bottom-up, I/O top-down, whoever is free first
                    takes the next layer — as the executor does (executor/compute.py, executor/io.py)
+    last group     (``plan.pipelined_query`` with ``chunk_compute_s`` and ``query_s``) at each claim on either side the
+                   compute side's boundary may become final (kvflow.planner.group, the executor's own decision); the
+                   I/O side then claims every chunk left as one group, one read per layer, the query runs layer l
+                   once layer l is in, and nothing is shared
 
 Static plans (every cell's side fixed in advance) need no meet and are priced in ``predict``.
 """
@@ -17,8 +21,10 @@ Static plans (every cell's side fixed in advance) need no meet and are priced in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 from kvflow.cost.model import CostModel
+from kvflow.planner.group import MeetState, stop_point
 from kvflow.planner.plan import ComputeStep, LoadStep, Plan
 
 
@@ -60,6 +66,22 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
         last[compute_order[k][0]] = k
     tc, tio, ci, ii = min((j.start_s for j in jobs), default=0.0), 0.0, 0, 0
     waiting = list(query_order)
+    grouping = [j.query and j.plan.dynamic_meet and j.plan.pipelined_query and bool(j.plan.chunk_compute_s)
+                and bool(j.plan.query_s) for j in jobs]
+    group: list[list[float] | None] = [None] * n    # per request with a last group: when each of its layers is in
+    final = [False] * n                              # the compute side's boundary is final
+    whole_at = [0.0] * n                             # when the last whole-chunk load landed
+
+    prefixes: dict[int, list[float]] = {}
+
+    def decide(r: int, compute_free: float, io_free: float) -> int | None:
+        """The executor's decision (kvflow.planner.group) at a claim, on this cost model."""
+        plan, C, L = jobs[r].plan, jobs[r].plan.chunk_tokens, jobs[r].plan.num_layers
+        if r not in prefixes:
+            prefixes[r] = list(accumulate((cost.step_time((i * C, (i + 1) * C), L) for i in range(plan.num_chunks)),
+                                          initial=0.0))
+        return stop_point(MeetState(prefixes[r], 1.0, lo[r], hi[r], compute_free, io_free, read_s(L),
+                                    cost.step_time(plan.suffix, 1), cost.step_time(plan.suffix, L), L))
 
     def share(r: int, tc: float, tio: float, joins: bool) -> tuple[float, float]:
         """Cell meet: the last unclaimed chunk of request r, layer by layer from both ends (``joins``: the I/O side
@@ -83,13 +105,19 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
     sharing = [j.cell_meet and j.plan.cell_meet for j in jobs]     # the cell meet applies to this job
 
     def last_one(r: int) -> bool:
-        return sharing[r] and hi[r] - lo[r] == 1 and lo[r] < limit[r]
+        return sharing[r] and not final[r] and hi[r] - lo[r] == 1 and lo[r] < limit[r]
 
     def serve(now: float, final: bool) -> float:
         for r in list(waiting):
             if lo[r] >= hi[r] or (final and left[r] == 0):
                 done = max(now, loaded_at[r])
-                if jobs[r].query:
+                if group[r] is not None:               # layer by layer behind the group's reads
+                    now = max(now, whole_at[r])
+                    for ready in group[r]:
+                        now = max(now, ready) + cost.step_time(jobs[r].plan.suffix, 1)
+                    now += cost.head
+                    ttft[r] = now
+                elif jobs[r].query:
                     now = done + cost.step_time(jobs[r].plan.suffix, jobs[r].plan.num_layers) + cost.head
                     ttft[r] = now
                 else:
@@ -104,8 +132,14 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
             left[r] -= 1
             job, C = jobs[r], jobs[r].plan.chunk_tokens
             a, b = max(step.tokens[0], lo[r] * C), min(step.tokens[1], hi[r] * C, limit[r] * C)
-            if sharing[r]:
+            if sharing[r] and not final[r]:
                 b = min(b, (hi[r] - 1) * C)
+            if final[r]:
+                b = a
+            elif grouping[r] and b > a and a // C == lo[r]:
+                m = decide(r, max(tc, job.start_s), tio)
+                if m is not None and m <= b // C:
+                    b, final[r] = max(m, lo[r]) * C, True
             if b > a and a // C == lo[r]:
                 tc = max(tc, job.start_s)
                 if job.act_s:   # the step's activations cross the link first: fetched while the previous step ran
@@ -137,8 +171,20 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
                 tc, tio = share(r, tc, tio, True)
                 tc = serve(tc, False)
             elif lo[r] <= c0 < hi[r]:
-                dt = read_s((step.chunks[1] - c0) * (step.layers[1] - step.layers[0]))
-                tio, busy_io[r], hi[r], loaded_at[r] = tio + dt, busy_io[r] + dt, c0, tio + dt
+                if grouping[r] and not final[r]:
+                    m = decide(r, max(tc, tio), tio)
+                    final[r] = m is not None and m <= lo[r]
+                if final[r]:
+                    group[r], g = [], hi[r] - lo[r]
+                    for _ in range(jobs[r].plan.num_layers):
+                        dt = read_s(g)
+                        tio, busy_io[r] = tio + dt, busy_io[r] + dt
+                        group[r].append(tio)
+                    hi[r], loaded_at[r] = hi[r] - g, tio
+                else:
+                    dt = read_s((step.chunks[1] - c0) * (step.layers[1] - step.layers[0]))
+                    tio, busy_io[r], hi[r], loaded_at[r] = tio + dt, busy_io[r] + dt, c0, tio + dt
+                    whole_at[r] = tio
     serve(tc, True)
     return [SimResult(max(c_end[r], loaded_at[r]), c_end[r], busy_c[r], busy_io[r], lo[r],
                       ttft[r] if jobs[r].query else max(c_end[r], loaded_at[r])) for r in range(n)]

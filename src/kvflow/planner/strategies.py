@@ -6,7 +6,8 @@ builder here; the executor runs them all the same way, so comparisons differ onl
     load-layerwise   load layer by layer while the query runs layer by layer (LMCache layer-wise pipelining)
     cake             compute forward / load backward in fixed chunks, meet at run time, no cost model (Cake)
     token            CacheFlow token two-pointer: meet planned from the cost model (sets step sizes), corrected
-                     at run time, the last chunk shared layer by layer
+                     at run time; the I/O side's last chunks loaded as one group layer by layer with the query
+                     pipelined behind them, or else the last chunk shared layer by layer
     layer            lower layers recomputed for every token, upper layers loaded; cut from the cost model
     staircase        best token x layer staircase the cost model finds
     cacheflow        of token / layer / staircase / load-layerwise / recompute, the plan with the smallest worst-case
@@ -24,7 +25,8 @@ from kvflow.config import check, load_section
 from kvflow.cost.model import CostModel
 from kvflow.errors import KVFlowError
 from kvflow.planner.plan import ComputeStep, LoadStep, Plan
-from kvflow.planner.predict import IOModel, compute_steps, layer_major_loads, lower_bound, predict, predicted_meet
+from kvflow.planner.predict import (IOModel, compute_steps, layer_major_loads, lower_bound, predict, predicted_meet,
+                                    query_time)
 
 STRATEGIES = ("recompute", "load", "load-layerwise", "cake", "token", "layer", "staircase", "cacheflow")
 
@@ -107,11 +109,11 @@ class Planner:
     def _load_layerwise(self, req: Request) -> Plan:
         return self.static_plan("load-layerwise", req, [0] * req.stored_chunks)
 
-    def _meet(self, strategy: str, req: Request, steps, pipelined: bool) -> Plan:
+    def _meet(self, strategy: str, req: Request, steps, **kw) -> Plan:
         n = req.stored_chunks
         loads = tuple(LoadStep((i, i + 1), (0, self.L)) for i in reversed(range(n)))
         plan = self.make_plan(strategy, req, [self.L] * n, compute=tuple(steps), loads=loads, dynamic_meet=True,
-                          pipelined_query=pipelined)
+                              **kw)
         return replace(plan, split=self._predicted_meet(plan))
 
     def _predicted_meet(self, plan: Plan) -> tuple[int, ...]:
@@ -121,7 +123,7 @@ class Planner:
 
     def _cake(self, req: Request) -> Plan:
         steps = [ComputeStep((i * self.C, (i + 1) * self.C), (0, self.L)) for i in range(req.stored_chunks)]
-        return self._meet("cake", req, steps, pipelined=False)
+        return self._meet("cake", req, steps)
 
     def _token(self, req: Request) -> Plan:
         n, C = req.stored_chunks, self.C
@@ -132,9 +134,13 @@ class Planner:
             size = per if i + per <= guess - self.config.near_meet_chunks else 1
             steps.append(ComputeStep((i * C, min(i + size, n) * C), (0, self.L)))
             i += size
-        # the pointers meet inside the last chunk, layer by layer (cake meets at whole chunks); the query runs once
-        # the grid is whole (the executor pipelines only static plans' queries)
-        return replace(self._meet("token", req, steps, pipelined=False), cell_meet=True)
+        # near the end the I/O side claims its last chunks as one group loaded layer by layer, and the query runs
+        # behind it layer by layer (kvflow.planner.group); when no group pays, the pointers meet inside the last
+        # chunk, layer by layer (cake meets at whole chunks)
+        plan = self.make_plan("token", req, [self.L] * n, compute=(), loads=())
+        return self._meet("token", req, steps, cell_meet=True, pipelined_query=True,
+                          chunk_compute_s=tuple(self.cost.step_time((i * C, (i + 1) * C), self.L) for i in range(n)),
+                          chunk_io_s=self.io.read_time(self.L), query_s=query_time(self.cost, plan))
 
     def _layer(self, req: Request) -> Plan:
         n = req.stored_chunks
