@@ -88,3 +88,31 @@ def test_a_pipelined_meet_is_predicted_the_same_alone_and_as_a_batch_of_one(rho,
                       p.io.read_time)
     assert sim.ttft_s == pytest.approx(simulate_plan(token, p.cost, p.io.read_time).ttft_s)
     assert sim.ttft_s == pytest.approx(token.predicted.ttft_s)
+
+
+def exhaustive_stop_point(s: MeetState) -> int | None:
+    """Every stop priced: what stop_point's pruned search must agree with."""
+    if s.hi <= s.lo or s.chunk_io_s <= 0:
+        return None
+    from kvflow.planner.group import MAX_GROUP, _meet_point
+    if s.hi - _meet_point(s, s.hi, s.io_free) > MAX_GROUP:
+        return None
+    best, end = None, _meet_end(s, s.hi, s.io_free) - 1e-3 * s.query_s
+    for m in range(max(s.lo, s.hi - MAX_GROUP), s.hi):
+        t = group_end(s, s.hi, s.io_free, s.hi - m)
+        if t < end:
+            best, end = m, t
+    return best
+
+
+@settings(max_examples=400, deadline=None)
+@given(lo=st.integers(0, 40), span=st.integers(0, 80), cc=st.floats(1e-3, 1.0), io=st.floats(1e-4, 1.0),
+       q1=st.floats(1e-4, 0.5), layers=st.integers(1, 32), speed=st.floats(0.3, 3.0),
+       cfree=st.floats(0, 1), iofree=st.floats(0, 1), growth=st.floats(0, 0.1))
+def test_the_pruned_search_finds_the_stop_every_stop_priced_finds(lo, span, cc, io, q1, layers, speed, cfree, iofree,
+                                                                  growth):
+    prefix = [0.0]
+    for i in range(lo + span):                  # later chunks cost more (attention), as in a real profile
+        prefix.append(prefix[-1] + cc * (1 + growth * i))
+    s = MeetState(prefix, speed, lo, lo + span, cfree, iofree, io, q1, q1 * layers * 0.8, layers)
+    assert stop_point(s) == exhaustive_stop_point(s)

@@ -32,6 +32,7 @@ recomputed: that would need its chunk's lower layers recomputed, not loaded.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -56,16 +57,27 @@ MAX_GROUP = 64                # chunks: a group this large hides any query; boun
 
 def stop_point(s: MeetState) -> int | None:
     """Where the compute side's claims should end (chunk m in [lo, hi): the I/O side loads [m, hi) as the last group),
-    or None: keep meeting."""
+    or None: keep meeting.
+
+    Only group sizes g that could beat the meet are priced (a hot path: every claim of both sides, and every claim
+    the planner simulates): the group's query ends no sooner than its last layer lands plus one query layer, nor than
+    the compute side's share plus every query layer — two lower bounds that cut the search to the few g near the
+    end of the meet, and to none far from it, without changing the answer."""
     if s.hi <= s.lo or s.chunk_io_s <= 0:
         return None
-    if s.hi - _meet_point(s, s.hi, s.io_free) > MAX_GROUP:
+    x = _meet_point(s, s.hi, s.io_free)
+    if s.hi - x > MAX_GROUP:
         return None                                # far from the end
-    best, end = None, _meet_end(s, s.hi, s.io_free) - 1e-3 * s.query_s
-    for m in range(max(s.lo, s.hi - MAX_GROUP), s.hi):
-        t = group_end(s, s.hi, s.io_free, s.hi - m)
+    end = _meet_end_at(s, s.hi, s.io_free, x) - 1e-3 * s.query_s
+    q = s.speed * s.query_layer_s
+    g_hi = min(s.hi - s.lo, MAX_GROUP, int((end - s.io_free - q) / s.chunk_io_s) + 1)  # lands before the meet ends
+    budget = s.prefix[s.lo] + (end - s.compute_free - s.num_layers * q) / s.speed        # compute side's share ...
+    g_lo = s.hi - bisect_left(s.prefix, budget, s.lo, s.hi + 1)                         # ... done in time (a chunk
+    best = None                                                                          # of slack for rounding)
+    for g in range(g_hi, max(g_lo, 1) - 1, -1):                  # the largest group first: it wins a tie
+        t = group_end(s, s.hi, s.io_free, g)
         if t < end:
-            best, end = m, t
+            best, end = s.hi - g, t
     return best
 
 
@@ -102,7 +114,10 @@ def _meet_point(s: MeetState, hi: int, io_free: float) -> float:
 
 def _meet_end(s: MeetState, hi: int, io_free: float) -> float:
     """No group: the sides meet, then the whole query runs."""
-    x = _meet_point(s, hi, io_free)
+    return _meet_end_at(s, hi, io_free, _meet_point(s, hi, io_free))
+
+
+def _meet_end_at(s: MeetState, hi: int, io_free: float, x: float) -> float:
     done = max(s.compute_free + s.speed * (_prefix_at(s, x) - s.prefix[s.lo]), io_free + (hi - x) * s.chunk_io_s)
     return done + s.speed * s.query_s
 

@@ -72,16 +72,18 @@ def simulate(jobs: list[SimJob], compute_order: list[tuple[int, ComputeStep]], i
     final = [False] * n                              # the compute side's boundary is final
     whole_at = [0.0] * n                             # when the last whole-chunk load landed
 
-    prefixes: dict[int, list[float]] = {}
+    priced: dict[int, tuple] = {}      # per request: (chunk-recompute prefix sums, one chunk's load, query 1 / L layers)
 
     def decide(r: int, compute_free: float, io_free: float) -> int | None:
         """The executor's decision (kvflow.planner.group) at a claim, on this cost model."""
-        plan, C, L = jobs[r].plan, jobs[r].plan.chunk_tokens, jobs[r].plan.num_layers
-        if r not in prefixes:
-            prefixes[r] = list(accumulate((cost.step_time((i * C, (i + 1) * C), L) for i in range(plan.num_chunks)),
-                                          initial=0.0))
-        return stop_point(MeetState(prefixes[r], 1.0, lo[r], hi[r], compute_free, io_free, read_s(L),
-                                    cost.step_time(plan.suffix, 1), cost.step_time(plan.suffix, L), L))
+        if r not in priced:
+            plan, C, L = jobs[r].plan, jobs[r].plan.chunk_tokens, jobs[r].plan.num_layers
+            priced[r] = (list(accumulate((cost.step_time((i * C, (i + 1) * C), L) for i in range(plan.num_chunks)),
+                                         initial=0.0)),
+                         read_s(L), cost.step_time(plan.suffix, 1), cost.step_time(plan.suffix, L))
+        prefix, chunk_io, query_layer, query = priced[r]
+        return stop_point(MeetState(prefix, 1.0, lo[r], hi[r], compute_free, io_free, chunk_io, query_layer, query,
+                                    jobs[r].plan.num_layers))
 
     def share(r: int, tc: float, tio: float, joins: bool) -> tuple[float, float]:
         """Cell meet: the last unclaimed chunk of request r, layer by layer from both ends (``joins``: the I/O side
