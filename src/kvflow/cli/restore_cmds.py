@@ -313,6 +313,7 @@ def _acceptance(result: dict, one: dict) -> dict:
     worst_at = max(result["rho_sweep"], key=lambda p: p["speedups"]["cacheflow_vs_best_other"])
     cross = result["crossover"]["points"]
     return {
+        "headline_rho": one["rho"],      # the rho1_* figures' point: rho = 1 when swept, else the first swept rho
         "rho1_cacheflow_vs_min_recompute_load": cf / min(rows["recompute"]["ttft_s"], rows["load"]["ttft_s"]),
         "rho1_cacheflow_vs_cake": cf / rows["cake"]["ttft_s"],
         "rho1_cacheflow_vs_measured_bound": rows["cacheflow"]["vs_measured_bound"],
