@@ -49,7 +49,7 @@ def hit_split(engine) -> dict:
     return {"resident": st.resident_hit_tokens / total if total else 0.0,
             "pool": st.pool_hit_tokens / total if total else 0.0,
             "miss": st.miss_tokens / total if total else 0.0,
-            "preemptions": st.preemptions,
+            "preemptions": st.preemptions, "swaps": st.swaps,
             "strategy_mix": dict(engine.pool.loaded_tokens) if engine.pool else {},
             "pool_counters": dict(engine.pool.counters) if engine.pool else {}}
 

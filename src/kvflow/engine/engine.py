@@ -87,6 +87,7 @@ class EngineStats:
     miss_tokens: int = 0
     requests_by_hit: dict = field(default_factory=lambda: {"resident": 0, "pool": 0, "miss": 0})
     preemptions: int = 0
+    swaps: int = 0                  # decoding sequences swapped out for a first token (first-token policy)
 
 
 def model_len(runner: ModelRunner, cfg: EngineConfig) -> int:
@@ -206,6 +207,7 @@ class LLMEngine:
         if self.elastic is not None:
             self.elastic.check(plan)
         self.stats.preemptions += len(plan.preempted)
+        self.stats.swaps += len(plan.swapped)
         if not plan.scheduled:
             if self._jobs and not outputs:         # only restorations in flight: wait a little for one
                 wait([j.future for j in self._jobs], timeout=0.01, return_when=FIRST_COMPLETED)

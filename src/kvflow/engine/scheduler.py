@@ -8,6 +8,23 @@ are freed (their full blocks stay cached, its full chunks go to the pool) and it
 queue, to be recomputed or restored — never a crash, never a wrong token. add_request guarantees any one sequence
 fits the whole budget, so the head of the queue always gets in once the running ones finish. A sequence whose pool
 hit is being restored on the engine's worker takes no tokens until the restoration returns.
+
+``scheduling_policy = "first-token"`` (the default; it acts only in an engine with a pool) puts a request's first
+token before other requests' later ones: when the first waiting request that has no token yet cannot get its
+blocks, running sequences that have produced theirs are swapped out — their full chunks go to the pool, their
+blocks are freed — until it fits, and come back through restoration once blocks are free again. Through the pool
+a swap costs a restoration (mostly loads); without one it would cost a recompute (vLLM's preemption), so an engine
+without a pool swaps nobody and runs FCFS::
+
+    waiting  | B (no token yet) | C (no token yet) | A' (swapped, resumes) |      admitted in this order:
+    running  | A: decoding, 40 of 96 tokens out   | D: 90 of 96 out       |      first-token requests first, FCFS,
+                                                                                then the swapped ones, FCFS
+    B does not fit -> swap out the decoder with the most tokens still to generate (A), then the next, until it
+    fits; a sequence is swapped at most ``max_swaps`` times (then it runs to the end), and only if the swaps
+    together make room (nobody is swapped for nothing).
+
+A request's time to first token is then one step plus its restoration and prefill, whatever the others hold; the
+decoders swapped for it pause for about one answer's length (their inter-token latency shows it).
 """
 
 from __future__ import annotations
@@ -32,6 +49,7 @@ class Scheduled:
 class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    swapped: list[Sequence] = field(default_factory=list)      # swapped out for a first token (first-token policy)
     admitted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -47,7 +65,6 @@ class Scheduler:
         self.pool_lookup, self.on_preempt = pool_lookup, on_preempt
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -57,6 +74,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out, budget, bm = SchedulerOutput(), self.config.max_num_batched_tokens, self.blocks
+        if self.config.scheduling_policy == "first-token":
+            self._make_room(out)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -79,14 +98,14 @@ class Scheduler:
             i += 1
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             if not bm.can_allocate(seq):
                 break
             if not self.config.chunked_prefill:
                 hit = len(bm.match_prefix(seq.token_ids)[0]) * bm.block_size
                 if seq.num_tokens - max(hit, self._stored(seq)) > budget:
                     break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             hit = bm.allocate(seq)
             seq.num_computed = hit
             stored = self._stored(seq)
@@ -102,6 +121,38 @@ class Scheduler:
             out.admitted.append(seq)
             budget -= n
         return out
+
+    def _next_waiting(self) -> Sequence:
+        """The next sequence to admit: FCFS, or under the first-token policy the first one without a token yet."""
+        if self.config.scheduling_policy == "first-token":
+            return next((s for s in self.waiting if s.first_token_s is None), self.waiting[0])
+        return self.waiting[0]
+
+    def _make_room(self, out: SchedulerOutput) -> None:
+        """First-token policy: swap out decoding sequences until the first waiting request without a token fits."""
+        bm = self.blocks
+        head = next((s for s in self.waiting if s.first_token_s is None), None)
+        if head is None or self.pool_lookup is None or bm.can_allocate(head):
+            return
+        hits = bm.match_prefix(head.token_ids)[0]
+        needed = bm.blocks_for(head.num_tokens) - len(hits) + sum(1 for b in hits if bm.blocks[b].ref_count == 0)
+        victims = sorted((s for s in self.running if s.first_token_s is not None and not s.restoring
+                          and s.num_swaps < self.config.max_swaps),
+                         key=lambda s: (s.params.max_tokens - s.num_output, len(s.block_table)), reverse=True)
+        growing = sum(1 for s in self.running if bm.blocks_for(s.num_tokens) > len(s.block_table))
+        free, chosen = bm.num_free - growing, []
+        for v in victims:                                  # only blocks no other table holds come free
+            if free >= needed:
+                break
+            chosen.append(v)
+            free += sum(1 for b in v.block_table if bm.blocks[b].ref_count == 1 and b not in hits)
+        if free < needed:
+            return                                         # swapping all of them would not make room
+        for v in chosen:
+            self.running.remove(v)
+            self._preempt(v)
+            v.num_swaps += 1
+            out.swapped.append(v)
 
     def _victim(self) -> Sequence:
         """The most recently admitted running sequence not being restored (the one asking is always a candidate)."""
@@ -119,7 +170,6 @@ class Scheduler:
         self.blocks.free_seq(seq)
         seq.status, seq.num_computed, seq.pool_restore = Status.WAITING, 0, 0
         seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:

@@ -36,7 +36,8 @@ class Sequence:
     pool_restore: int = 0            # at admission: tokens [0, pool_restore) to restore from the pool this step
     restoring: bool = False          # a pool restoration of this sequence is in flight (async_restore)
     abort_pending: bool = False      # aborted while restoring: freed when the restoration returns
-    num_preemptions: int = 0
+    num_preemptions: int = 0          # preempted or swapped out, any number of times
+    num_swaps: int = 0                # ... swapped out for another request's first token (first-token policy)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_text: str | None = None       # the stop string that ended it, if any
     text: str = ""                     # detokenized output so far (stop strings are cut off)

@@ -69,6 +69,7 @@ class _EngineCollector:
         yield counter("kvflow_computed_tokens", "tokens run through the model by engine steps", st.computed_tokens)
         yield counter("kvflow_engine_steps", "engine steps", st.steps)
         yield counter("kvflow_preemptions", "sequences preempted for lack of blocks", st.preemptions)
+        yield counter("kvflow_swaps", "decoding sequences swapped out to the pool for a first token", st.swaps)
         yield counter("kvflow_kv_block_evictions", "cached resident blocks reused for new data", e.blocks.evictions)
         yield counter("kvflow_engine_step_errors", "engine steps that raised", loop.step_errors if loop else 0)
         el = e.elastic
