@@ -77,11 +77,15 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                 workload: str = typer.Option("chat", help="chat | docqa | agent (docs: kvflow/bench/serve_bench.py)"),
                 configs: str = typer.Option("resident,recompute,cacheflow",
                                             help="local kvflow configurations: resident (no pool) or a strategy "
-                                                 "restoring pool hits"),
+                                                 "restoring pool hits; +fcfs or +first-token (the default) picks "
+                                                 "the scheduling policy, e.g. cacheflow+fcfs"),
                 kv_share: float = typer.Option(0.25, help="resident KV budget as a share of the working set"),
-                users: int = typer.Option(8), rounds: int = typer.Option(4), rate: float = typer.Option(2.0),
-                system_tokens: int = typer.Option(256), user_tokens: int = typer.Option(64),
-                answer_tokens: int = typer.Option(16), think: float = typer.Option(0.5, help="mean think time s"),
+                users: int = typer.Option(8), rounds: Optional[int] = typer.Option(None, help="chat: 12, else 4"),
+                rate: float = typer.Option(2.0),
+                system_tokens: Optional[int] = typer.Option(None, help="chat: 1024, else 256"),
+                user_tokens: Optional[int] = typer.Option(None, help="chat: 128, else 64"),
+                answer_tokens: Optional[int] = typer.Option(None, help="chat: 96, else 16"),
+                think: Optional[float] = typer.Option(None, help="mean think time s (chat: 2, else 0.5)"),
                 docs: int = typer.Option(4, help="docqa: documents"),
                 doc_min: int = typer.Option(1024, help="docqa: shortest document (tokens)"),
                 doc_max: int = typer.Option(4096, help="docqa: longest document (tokens)"),
@@ -115,9 +119,10 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                                           records_json, longest_history_tokens, median_summary, result_row,
                                           run_chat, summarize, working_set_tokens)
 
-    w = ChatWorkload(workload, users, rounds, rate, system_tokens, user_tokens, answer_tokens, think, docs, doc_min,
-                     doc_max, tool_tokens, seed)
-    w.validate()
+    w = ChatWorkload.of(workload, users=users, rounds=rounds, rate=rate, system_tokens=system_tokens,
+                        user_tokens=user_tokens, answer_tokens=answer_tokens, think_s=think, docs=docs,
+                        doc_tokens_min=doc_min, doc_tokens_max=doc_max, tool_tokens=tool_tokens, seed=seed)
+    answer_tokens = w.answer_tokens
     if peer is not None:
         from kvflow.bench.peer import PEERS
         if peer not in PEERS:
@@ -144,11 +149,17 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
         from kvflow.cli.restore_cmds import ensure_cost
 
         names = [c.strip() for c in configs.split(",") if c.strip()]
+        from kvflow.engine.config import SCHEDULING_POLICIES, EngineConfig
         from kvflow.planner import STRATEGIES
-        bad = [c for c in names if c != "resident" and c not in STRATEGIES]
+
+        def parts(name: str) -> tuple[str, str]:
+            strategy, _, policy = name.partition("+")
+            return strategy, policy or EngineConfig().scheduling_policy
+        bad = [c for c in names if parts(c)[0] not in ("resident", *STRATEGIES)
+               or parts(c)[1] not in SCHEDULING_POLICIES]
         if not names or bad:
             raise KVFlowError(f"bad --configs entry {bad[0] if bad else configs!r}: resident or a strategy "
-                              f"({', '.join(STRATEGIES)})")
+                              f"({', '.join(STRATEGIES)}), optionally +POLICY ({', '.join(SCHEDULING_POLICIES)})")
         if not 0 < kv_share <= 4:
             raise KVFlowError("--kv-share must be in (0, 4]")
         if repeats < 1:
@@ -168,7 +179,7 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
         # every set-up step that computes runs on a thread of its own, so that this (the client's) thread keeps no
         # OpenMP team beside the engine thread's: kvflow/threads.py
         runner = in_fresh_thread(load_model, model)
-        cost = in_fresh_thread(ensure_cost, runner, 8192) if any(c != "resident" for c in names) else None
+        cost = in_fresh_thread(ensure_cost, runner, 8192) if any(parts(c)[0] != "resident" for c in names) else None
         ws = working_set_tokens(w)
         kv_tokens = max(int(ws * kv_share), longest_history_tokens(w) + answer_tokens + block_size)
         kv_budget = kv_tokens * runner.kv_bytes_per_token()
@@ -199,7 +210,9 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                                    "kv_budget_tokens": vllm.max_model_len}
             for _ in range(repeats):                  # configurations alternate: a shared machine drifts
                 for name in names:
-                    build = partial(engine_for, model, 0, strategy=None if name == "resident" else name,
+                    strategy, policy = parts(name)
+                    build = partial(engine_for, model, 0, strategy=None if strategy == "resident" else strategy,
+                                    scheduling_policy=policy,
                                     kv_budget=kv_budget, block_size=block_size,
                                     pool_bytes=4 * ws * runner.kv_bytes_per_token() + (64 << 20),
                                     chunk_tokens=chunk_tokens, max_num_batched_tokens=max_batched, cost=cost,
