@@ -29,6 +29,7 @@ def test_bench_serve_drives_a_multi_round_chat_through_the_openai_client(tmp_pat
 
 
 @pytest.mark.parametrize("args", [["bench", "serve", "--configs", "magic"], ["bench", "serve", "--users", "0"],
+                                  ["bench", "serve", "--configs", "cacheflow+lifo"],
                                   ["bench", "serve", "--workload", "poetry"],
                                   ["bench", "serve", "--url", "http://127.0.0.1:9/v1"],
                                   ["bench", "decode", "--sequences", "1"],
@@ -72,3 +73,12 @@ def test_bench_serve_document_qa_and_agent_workloads_reuse_their_shared_prefixes
     run = json.loads((tmp_path / "results.json").read_text())["runs"]["resident"]
     assert run["summary"]["errors"] == 0 and run["summary"]["requests"] == 4
     assert run["hit_split"]["resident"] > 0
+
+
+def test_the_chat_workload_defaults_to_vllms_multi_turn_shape_and_the_others_keep_theirs():
+    from kvflow.bench.serve_bench import CHAT_SHAPE, ChatWorkload
+    chat = ChatWorkload.of("chat", users=8, rounds=None, think_s=None)
+    assert (chat.rounds, chat.system_tokens, chat.user_tokens, chat.answer_tokens, chat.think_s) == (
+        CHAT_SHAPE["rounds"], 1024, 128, 96, 2.0)
+    assert ChatWorkload.of("chat", rounds=3).rounds == 3                  # a value given wins
+    assert ChatWorkload.of("docqa", rounds=None).rounds == ChatWorkload().rounds
