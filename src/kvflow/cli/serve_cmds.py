@@ -147,10 +147,10 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
     else:
         from kvflow import load_model
         from kvflow.cli.restore_cmds import ensure_cost
-
-        names = [c.strip() for c in configs.split(",") if c.strip()]
         from kvflow.engine.config import SCHEDULING_POLICIES, EngineConfig
         from kvflow.planner import STRATEGIES
+
+        names = [c.strip() for c in configs.split(",") if c.strip()]
 
         def parts(name: str) -> tuple[str, str]:
             strategy, _, policy = name.partition("+")
