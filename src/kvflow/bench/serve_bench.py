@@ -141,9 +141,6 @@ class ChatWorkload:
     def of(cls, kind: str, **given) -> ChatWorkload:
         """Workload ``kind`` with its own defaults (``CHAT_SHAPE`` for chat) under the values given (None: default),
         validated."""
-        if kind not in WORKLOADS:
-            from kvflow.errors import KVFlowError
-            raise KVFlowError(f"unknown workload {kind!r}: use one of {', '.join(WORKLOADS)}")
         w = cls(kind, **{**(CHAT_SHAPE if kind == "chat" else {}),
                          **{k: v for k, v in given.items() if v is not None}})
         w.validate()
@@ -396,8 +393,9 @@ def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, 
 
 def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int, pool_bytes: int, chunk_tokens: int,
                   max_num_batched_tokens: int, cost=None, pool_dir: str | None = None, rho: float | None = None,
-                  recompute_rate: float | None = None, scheduling_policy: str = "first-token"):
-    """An engine over ``runner`` with a fresh pool (``strategy`` None: no pool tier)."""
+                  recompute_rate: float | None = None, scheduling_policy: str | None = None):
+    """An engine over ``runner`` with a fresh pool (``strategy`` None: no pool tier; ``scheduling_policy`` None:
+    the engine's default)."""
     from kvflow import Restorer
     from kvflow.engine import EngineConfig, LLMEngine
     from kvflow.engine.tokenizer import ByteTokenizer
@@ -407,7 +405,8 @@ def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int,
         pool = fresh_pool(pool_bytes, chunk_tokens, pool_dir, strategy, rho, recompute_rate)
         restorer = Restorer(runner, pool, cost=cost)
     cfg = EngineConfig(block_size=block_size, kv_budget=kv_budget, strategy=strategy or "cacheflow",
-                       max_num_batched_tokens=max_num_batched_tokens, scheduling_policy=scheduling_policy)
+                       max_num_batched_tokens=max_num_batched_tokens,
+                       **({} if scheduling_policy is None else {"scheduling_policy": scheduling_policy}))
     cfg.validate()
     return LLMEngine(runner, cfg, restorer=restorer, tokenizer=ByteTokenizer(runner.config.vocab_size))
 

@@ -122,7 +122,6 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
     w = ChatWorkload.of(workload, users=users, rounds=rounds, rate=rate, system_tokens=system_tokens,
                         user_tokens=user_tokens, answer_tokens=answer_tokens, think_s=think, docs=docs,
                         doc_tokens_min=doc_min, doc_tokens_max=doc_max, tool_tokens=tool_tokens, seed=seed)
-    answer_tokens = w.answer_tokens
     if peer is not None:
         from kvflow.bench.peer import PEERS
         if peer not in PEERS:
@@ -147,16 +146,17 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
     else:
         from kvflow import load_model
         from kvflow.cli.restore_cmds import ensure_cost
-        from kvflow.engine.config import SCHEDULING_POLICIES, EngineConfig
+        from kvflow.engine.config import SCHEDULING_POLICIES
         from kvflow.planner import STRATEGIES
 
         names = [c.strip() for c in configs.split(",") if c.strip()]
 
-        def parts(name: str) -> tuple[str, str]:
-            strategy, _, policy = name.partition("+")
-            return strategy, policy or EngineConfig().scheduling_policy
+        def parts(name: str) -> tuple[str, str | None]:
+            """(strategy, scheduling policy; None: the engine's default)"""
+            strategy, plus, policy = name.partition("+")
+            return strategy, policy if plus else None
         bad = [c for c in names if parts(c)[0] not in ("resident", *STRATEGIES)
-               or parts(c)[1] not in SCHEDULING_POLICIES]
+               or parts(c)[1] not in (None, *SCHEDULING_POLICIES)]
         if not names or bad:
             raise KVFlowError(f"bad --configs entry {bad[0] if bad else configs!r}: resident or a strategy "
                               f"({', '.join(STRATEGIES)}), optionally +POLICY ({', '.join(SCHEDULING_POLICIES)})")
@@ -181,7 +181,7 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
         runner = in_fresh_thread(load_model, model)
         cost = in_fresh_thread(ensure_cost, runner, 8192) if any(parts(c)[0] != "resident" for c in names) else None
         ws = working_set_tokens(w)
-        kv_tokens = max(int(ws * kv_share), longest_history_tokens(w) + answer_tokens + block_size)
+        kv_tokens = max(int(ws * kv_share), longest_history_tokens(w) + w.answer_tokens + block_size)
         kv_budget = kv_tokens * runner.kv_bytes_per_token()
         rate = None
         if rho is not None:

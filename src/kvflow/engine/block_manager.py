@@ -76,12 +76,17 @@ class BlockManager:
             hashes.append(parent)
         return ids, hashes
 
-    def _needed(self, seq: Sequence, hits: list[int]) -> int:
+    def needed(self, seq: Sequence, hits: list[int]) -> int:
+        """Free blocks ``allocate(seq)`` takes, given its cached prefix ``hits`` (``match_prefix``)."""
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)      # hits now in the free queue
         return self.blocks_for(seq.num_tokens) - len(hits) + revived
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return self._needed(seq, self.match_prefix(seq.token_ids)[0]) <= len(self.free)
+        return self.needed(seq, self.match_prefix(seq.token_ids)[0]) <= len(self.free)
+
+    def freed_by(self, seq: Sequence, keep: list[int] = ()) -> int:
+        """Blocks that ``free_seq(seq)`` would put in the free queue (held by no other table), ``keep`` aside."""
+        return sum(1 for b in seq.block_table if self.blocks[b].ref_count == 1 and b not in keep)
 
     # ------------------------------------------------------------------------------------- mutations
     def allocate(self, seq: Sequence) -> int:
@@ -89,7 +94,7 @@ class BlockManager:
         caller sets ``seq.num_computed``)."""
         assert not seq.block_table
         hits, hashes = self.match_prefix(seq.token_ids)
-        assert self._needed(seq, hits) <= len(self.free), "allocate() without can_allocate()"
+        assert self.needed(seq, hits) <= len(self.free), "allocate() without can_allocate()"
         for b in hits:
             block = self.blocks[b]
             if block.ref_count == 0:

@@ -125,27 +125,32 @@ class Scheduler:
     def _next_waiting(self) -> Sequence:
         """The next sequence to admit: FCFS, or under the first-token policy the first one without a token yet."""
         if self.config.scheduling_policy == "first-token":
-            return next((s for s in self.waiting if s.first_token_s is None), self.waiting[0])
+            return self._first_without_token() or self.waiting[0]
         return self.waiting[0]
+
+    def _first_without_token(self) -> Sequence | None:
+        return next((s for s in self.waiting if s.first_token_s is None), None)
 
     def _make_room(self, out: SchedulerOutput) -> None:
         """First-token policy: swap out decoding sequences until the first waiting request without a token fits."""
         bm = self.blocks
-        head = next((s for s in self.waiting if s.first_token_s is None), None)
-        if head is None or self.pool_lookup is None or bm.can_allocate(head):
+        head = self._first_without_token() if self.pool_lookup is not None else None
+        if head is None:
             return
         hits = bm.match_prefix(head.token_ids)[0]
-        needed = bm.blocks_for(head.num_tokens) - len(hits) + sum(1 for b in hits if bm.blocks[b].ref_count == 0)
+        needed = bm.needed(head, hits)
+        if needed <= bm.num_free:
+            return
         victims = sorted((s for s in self.running if s.first_token_s is not None and not s.restoring
                           and s.num_swaps < self.config.max_swaps),
                          key=lambda s: (s.params.max_tokens - s.num_output, len(s.block_table)), reverse=True)
         growing = sum(1 for s in self.running if bm.blocks_for(s.num_tokens) > len(s.block_table))
         free, chosen = bm.num_free - growing, []
-        for v in victims:                                  # only blocks no other table holds come free
+        for v in victims:
             if free >= needed:
                 break
             chosen.append(v)
-            free += sum(1 for b in v.block_table if bm.blocks[b].ref_count == 1 and b not in hits)
+            free += bm.freed_by(v, keep=hits)
         if free < needed:
             return                                         # swapping all of them would not make room
         for v in chosen:
