@@ -32,6 +32,7 @@ from kvflow.model import attention
 from kvflow.model.attention import splits_at_the_chunk
 from kvflow.model.device import default_dtype
 from kvflow.model.device import resolve as resolve_device
+from kvflow.model.host_memory import keep_freed_memory
 from kvflow.model.presets import PRESETS, build_config, parse_name
 from kvflow.threads import compute_threads, set_compute_threads
 
@@ -327,6 +328,7 @@ def load_model(name_or_path: str, *, seed: int = 0, dtype: str | torch.dtype | N
     where = resolve_device(device)
     torch_dtype = parse_dtype(dtype) if dtype is not None else default_dtype(where)
     _resolve_threads()
+    keep_freed_memory()           # host intermediates reused, not faulted in again every step: model/host_memory.py
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
