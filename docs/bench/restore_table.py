@@ -17,8 +17,8 @@ def main(path: str) -> None:
     print(f"recompute rate measured {run['recompute_rate_mib_s']:.2f} MiB/s, profile "
           f"{run['profiled_recompute_rate_mib_s']:.2f}")
     print("| ρ | pool | " + " | ".join(ORDER) + " | cacheflow plan | cacheflow / best other | cacheflow / measured bound"
-          " | tail token / staircase |")
-    print("|---" * (len(ORDER) + 6) + "|")
+          " | tail token / staircase | repeat spread |")
+    print("|---" * (len(ORDER) + 7) + "|")
     worst = []
     for point in run["rho_sweep"]:
         rows = {r["strategy"]: r for r in point["rows"]}
@@ -27,10 +27,11 @@ def main(path: str) -> None:
         best = min(others, key=others.get)
         ratio = cf["ttft_s"] / others[best]
         worst.append((ratio, point["rho"], point["latency_s"], point["pool"]))
-        pool = point["pool"] + (f", + {point['latency_s'] * 1e6:g} µs per read" if point["latency_s"] else "")
+        pool = point["pool"]      # names its per-read latency
         tails = " / ".join(f"{rows[k]['ttft_s'] - rows[k]['restore_s']:.3f}" for k in ("token", "staircase"))
+        spread = sorted(max(r["ttft_runs"]) / min(r["ttft_runs"]) for r in rows.values())[len(rows) // 2]
         print(f"| {point['rho']:g} | {pool} | " + " | ".join(f"{rows[k]['ttft_s']:.3f}" for k in ORDER)
-              + f" | {cf['plan']} ({cf.get('chose')}) | {ratio:.3f} ({best}) | {cf['vs_measured_bound']:.2f} | {tails} |")
+              + f" | {cf['plan']} ({cf.get('chose')}) | {ratio:.3f} ({best}) | {cf['vs_measured_bound']:.2f} | {tails} | {spread:.3f} |")
     acc = run["acceptance"]
     print(f"rho=1: / measured bound {acc['rho1_cacheflow_vs_measured_bound']:.3f}, / min(recompute, load) "
           f"{acc['rho1_cacheflow_vs_min_recompute_load']:.3f}, / best other {acc['rho1_cacheflow_vs_best_other']:.3f}, "

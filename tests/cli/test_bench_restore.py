@@ -31,6 +31,11 @@ def test_rho_and_length_sweeps_write_json_and_pngs(tmp_path):
                              "cacheflow"}
         assert all(r["max_abs_diff"] <= 1e-4 and r["argmax_ok"] and r["ttft_s"] > 0 for r in rows.values())
         assert p["speedups"]["best_other"] in rows
+        # how far the point resolves a difference is reported beside the ratio (one repeat: no spread; the disk
+        # point always repeats at least 7 times)
+        one = all(len(r["ttft_runs"]) == 1 for r in rows.values())
+        assert p["speedups"]["repeat_spread"] == 1.0 if one else p["speedups"]["repeat_spread"] >= 1.0
+        assert p["speedups"]["same_plan_as_best"] == (rows["cacheflow"]["chose"] == p["speedups"]["best_other"])
         # one measured bound per point, the same for every strategy, reported beside the model's
         assert len({r["measured_bound_s"] for r in rows.values()}) == 1
         assert all(r["vs_measured_bound"] == pytest.approx(r["ttft_s"] / r["measured_bound_s"]) for r in rows.values())

@@ -65,6 +65,13 @@ def test_the_peer_env_binds_two_cores_and_rounds_the_kv_space_up_to_whole_gib(tm
     assert big["VLLM_CPU_KVCACHE_SPACE"] == "4"
 
 
+def test_the_peer_gets_the_allocator_thresholds_kvflow_runs_with(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVFLOW_MALLOC", raising=False)
+    assert "glibc.malloc.mmap_threshold=33554432" in peer(tmp_path).env({})["GLIBC_TUNABLES"]
+    monkeypatch.setenv("KVFLOW_MALLOC", "default")
+    assert "GLIBC_TUNABLES" not in peer(tmp_path).env({})
+
+
 def test_find_venv_wants_a_python_with_vllm_in_it(tmp_path):
     venv = tmp_path / "v"
     (venv / "bin").mkdir(parents=True)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvflow.errors import KVFlowError
+from kvflow.model.host_memory import peer_env
 
 PEERS = ("vllm",)
 VENV = ".venv-vllm"
@@ -118,7 +119,8 @@ class VLLMPeer:
                    VLLM_CPU_KVCACHE_SPACE=str(self.kv_space_gib),
                    VLLM_SERVER_DEV_MODE="1",          # POST /reset_prefix_cache: every round starts cold, as kvflow's
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   VIRTUAL_ENV=str(self.venv), PATH=f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
+                   VIRTUAL_ENV=str(self.venv), PATH=f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+                   **peer_env())                  # the allocator thresholds kvflow's own process runs with
         return env
 
     # ------------------------------------------------------------------------------------------- process

@@ -207,11 +207,17 @@ def rho_bandwidth(bench: Bench, rho: float) -> float:
 
 
 def speedups(rows: dict[str, dict]) -> dict:
+    """cacheflow against each other strategy, and how far this point can resolve a difference: ``repeat_spread`` is
+    the median, over strategies, of max / min of one strategy's repeats (the same plan run again); when cacheflow
+    chose the best other's plan (``same_plan_as_best``) their ratio is that noise plus cacheflow's planning time."""
     cf = rows["cacheflow"]["ttft_s"]
     others = {s: r["ttft_s"] for s, r in rows.items() if s != "cacheflow"}
     best = min(others, key=others.get)
+    spreads = [max(r["ttft_runs"]) / min(r["ttft_runs"]) for r in rows.values() if min(r["ttft_runs"]) > 0]
     return {"vs": {s: t / cf for s, t in others.items()}, "best_other": best,
-            "cacheflow_vs_best_other": cf / others[best]}
+            "cacheflow_vs_best_other": cf / others[best],
+            "same_plan_as_best": rows["cacheflow"]["chose"] == best,
+            "repeat_spread": statistics.median(spreads) if spreads else float("nan")}
 
 
 def public(rows: dict[str, dict]) -> list[dict]:

@@ -3,10 +3,10 @@ with every strategy), `kvflow bench restore` and `kvflow bench second-turn`."""
 
 from __future__ import annotations
 
-import sys
-
 import json
 import math
+import statistics
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -325,6 +325,9 @@ def _acceptance(result: dict, one: dict) -> dict:
         "rho1_planning_share_of_ttft": rows["cacheflow"]["plan_s"] / cf,
         "worst_cacheflow_vs_best_other_over_sweep": worst,
         "worst_point": f"{worst_at['pool']}, rho={worst_at['rho']:.3g}",
+        "worst_point_same_plan_as_best": worst_at["speedups"]["same_plan_as_best"],
+        "median_repeat_spread_over_sweep": statistics.median(p["speedups"]["repeat_spread"]
+                                                             for p in result["rho_sweep"]),
         "crossover_tokens": result["crossover"]["measured_tokens"],
         "cacheflow_vs_faster_side_at_each_length": [p["cacheflow_s"] / p["faster_side_s"] for p in cross],
         "max_abs_diff": max(r["max_abs_diff"] for p in result["rho_sweep"] + result["length_sweep"]

