@@ -1,6 +1,6 @@
 """The restore tables of docs/BENCHMARKS.md, read from a `kvflow bench restore` JSON (nothing typed by hand).
 
-    python docs/bench/restore_table.py docs/bench/restore-run7.json
+    .venv/bin/python docs/bench/restore_table.py docs/bench/restore-run7.json
 
 Prints the rho-sweep table (medians of the run's interleaved repeats), the ratios issue 9 asks for, and each
 point's tail after the grid (ttft_s - restore_s) for `token` and `staircase`.
@@ -8,6 +8,8 @@ point's tail after the grid (ttft_s - restore_s) for `token` and `staircase`.
 
 import json
 import sys
+
+from kvflow.bench.restore_bench import speedups
 
 ORDER = ("recompute", "load", "load-layerwise", "cake", "token", "layer", "staircase", "cacheflow")
 
@@ -23,13 +25,11 @@ def main(path: str) -> None:
     for point in run["rho_sweep"]:
         rows = {r["strategy"]: r for r in point["rows"]}
         cf = rows["cacheflow"]
-        others = {k: r["ttft_s"] for k, r in rows.items() if k != "cacheflow"}
-        best = min(others, key=others.get)
-        ratio = cf["ttft_s"] / others[best]
+        sp = speedups(rows)           # the bench's own comparison (older JSON lacks its newer fields)
+        best, ratio, spread = sp["best_other"], sp["cacheflow_vs_best_other"], sp["repeat_spread"]
         worst.append((ratio, point["rho"], point["latency_s"], point["pool"]))
         pool = point["pool"]      # names its per-read latency
         tails = " / ".join(f"{rows[k]['ttft_s'] - rows[k]['restore_s']:.3f}" for k in ("token", "staircase"))
-        spread = sorted(max(r["ttft_runs"]) / min(r["ttft_runs"]) for r in rows.values())[len(rows) // 2]
         print(f"| {point['rho']:g} | {pool} | " + " | ".join(f"{rows[k]['ttft_s']:.3f}" for k in ORDER)
               + f" | {cf['plan']} ({cf.get('chose')}) | {ratio:.3f} ({best}) | {cf['vs_measured_bound']:.2f} | {tails} | {spread:.3f} |")
     acc = run["acceptance"]
