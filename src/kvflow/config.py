@@ -189,7 +189,8 @@ ENV_VARS = ("KVFLOW_HOME", "KVFLOW_CONFIG", "KVFLOW_TORCH_THREADS", "KVFLOW_BENC
 # Sections that take env overrides: name -> "module:Class" (imported only to list their fields).
 SECTIONS = {"pool": "kvflow.pool.config:PoolConfig", "planner": "kvflow.planner.strategies:PlannerConfig",
             "executor": "kvflow.executor.config:ExecutorConfig",
-            "connector": "kvflow.integrations.vllm:ConnectorConfig", "engine": "kvflow.engine.config:EngineConfig"}
+            "connector": "kvflow.integrations.vllm:ConnectorConfig", "engine": "kvflow.engine.config:EngineConfig",
+            "server": "kvflow.server.limits:ServerLimits"}
 
 
 def env_int(name: str, lo: int, hi: int, env: Mapping[str, str] | None = None) -> int | None:

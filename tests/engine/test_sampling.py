@@ -3,6 +3,8 @@ token ids and max_tokens end a request with the right finish_reason."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvflow.engine import EngineConfig, LLMEngine, RequestError, SamplingError, SamplingParams
 from kvflow.engine.sampling import sample
@@ -27,6 +29,46 @@ def test_top_k_one_is_greedy_and_a_seed_repeats_its_draws():
     assert draws[0] == draws[1]
     top = set(torch.topk(logits, 50).indices.tolist())
     assert all(t in top for t in draws[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(temperature=st.floats(min_value=0.0, max_value=100.0, exclude_min=True) | st.sampled_from([5e-324, 1e-300]),
+       top_p=st.floats(min_value=0.0, max_value=1.0, exclude_min=True) | st.sampled_from([5e-324, 1e-300]),
+       top_k=st.integers(min_value=-1, max_value=2**40), scale=st.sampled_from([1e-30, 1.0, 1e4, 1e30]),
+       seed=st.integers(min_value=0, max_value=2**32))
+def test_every_value_validate_admits_samples_a_token_and_never_raises(temperature, top_p, top_k, scale, seed):
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(seed)) * scale
+    p = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    token = sample(logits, p, p.generator())
+    assert 0 <= token < 300
+    if top_p < 1e-30 or (temperature < 1e-30 and scale >= 1.0) or top_k == 1:    # all mass on the largest logit
+        assert token == int(logits.argmax())
+
+
+def test_a_request_that_fails_inside_a_step_ends_alone_and_its_step_mates_are_served(tiny, monkeypatch):
+    """One request's own failure (here its sampler) gives it finish_reason "error"; the others in the same steps
+    finish exactly as generate does."""
+    import kvflow.engine.engine as engine_mod
+    real = engine_mod.sample
+
+    def flaky(logits, params, generator):
+        if params.seed == 13:
+            raise RuntimeError("this request's sampler broke")
+        return real(logits, params, generator)
+    monkeypatch.setattr(engine_mod, "sample", flaky)
+    engine = LLMEngine(tiny)
+    good = [engine.add_request(ids(12, s), SamplingParams(max_tokens=5)) for s in (1, 2)]
+    bad = engine.add_request(ids(10, 3), SamplingParams(max_tokens=5, temperature=1.0, seed=13))
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.seq_id, []).append(out)
+    assert outs[bad][-1].finish_reason == "error" and "sampler broke" in outs[bad][-1].error
+    assert engine.stats.failed == 1
+    for seq_id, seed in zip(good, (1, 2)):
+        assert [t for o in outs[seq_id] for t in o.new_token_ids] == hf_greedy(tiny, ids(12, seed), 5)
+        assert outs[seq_id][-1].error is None
+    assert engine.blocks.usage == 0.0
 
 
 def test_seeded_requests_draw_the_same_tokens_alone_or_batched(tiny):

@@ -140,6 +140,31 @@ def test_an_engine_failure_answers_500_and_the_next_request_is_served(tiny):
     assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == hf_greedy(tiny, ids(5, 1), 6)
 
 
+def test_a_request_that_fails_inside_a_step_answers_500_alone_while_its_step_mates_are_served(tiny, monkeypatch):
+    import kvflow.engine.engine as engine_mod
+    real = engine_mod.sample
+
+    def flaky(logits, params, generator):
+        if params.seed == 13:
+            raise RuntimeError("broken sampler")
+        return real(logits, params, generator)
+    monkeypatch.setattr(engine_mod, "sample", flaky)
+    app, engine = make_app(tiny)
+
+    async def go():
+        async with client(app) as c:
+            return await asyncio.gather(
+                c.post("/v1/completions", json=completion(ids(9, 1), max_tokens=8)),
+                c.post("/v1/completions", json=completion(ids(9, 2), temperature=1.0, seed=13)),
+                c.post("/v1/completions", json=completion(ids(9, 3), max_tokens=8, stream=True)))
+    ok, failed, streamed = run(go())
+    assert failed.status_code == 500 and "broken sampler" in failed.json()["error"]["message"]
+    assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == hf_greedy(tiny, ids(9, 1), 8)
+    chunks = [e for e in sse_events(streamed.text)[:-1] if e.get("choices")]
+    assert [t for e in chunks for t in e["choices"][0]["token_ids"]] == hf_greedy(tiny, ids(9, 3), 8)
+    assert engine.stats.failed == 1
+
+
 def test_an_api_key_guards_every_route_but_health(tiny):
     app, _ = make_app(tiny, api_key="sekrit")
 

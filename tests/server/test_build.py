@@ -54,3 +54,33 @@ def test_an_elastic_server_holds_memory_to_the_live_set_before_the_model_loads(m
     with pytest.raises(Loaded):
         build_engine("tiny", {"engine": {"kv_budget": "1M"}}, elastic_reserve=elastic)
     assert calls == order
+
+
+@pytest.mark.parametrize("key", ["", "   ", " key", "key\t"])
+def test_an_empty_or_padded_api_key_is_a_config_error_not_authentication_turned_off(key):
+    from kvflow.server.build import check_api_key
+    with pytest.raises(ConfigError):
+        check_api_key(key)
+    assert check_api_key(None) is None and check_api_key("k") == "k"
+
+
+@pytest.mark.parametrize("env", [{"KVFLOW_API_KEY": ""}, {}])
+def test_kvflow_serve_with_an_empty_api_key_is_one_line_and_exit_2(tmp_path, env):
+    import os
+    import subprocess
+    import sys
+    args = [] if env else ["--api-key", ""]
+    r = subprocess.run([sys.executable, "-m", "kvflow", "serve", "--port", "1", *args], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "empty" in r.stderr
+
+
+@pytest.mark.parametrize("text", ["engin:\n  block_size: 8\n", "server:\n  max_prompts: 0\n", "engine: 5\n",
+                                  "server:\n  max_body_bytes: 10\n", "server:\n  max_json_depth: 100000\n"])
+def test_a_bad_section_of_the_server_config_is_one_config_error(tmp_path, text):
+    from kvflow.server.build import read_config
+    from kvflow.server.limits import ServerLimits
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError):
+        ServerLimits.load({"server": read_config(str(cfg)).get("server") or {}})

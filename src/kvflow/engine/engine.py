@@ -54,6 +54,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int          # prompt tokens not computed: resident + pool hits
+    error: str | None = None    # finish_reason "error": this request alone failed inside a step (the others go on)
 
 
 @dataclass(slots=True)
@@ -88,6 +89,7 @@ class EngineStats:
     requests_by_hit: dict = field(default_factory=lambda: {"resident": 0, "pool": 0, "miss": 0})
     preemptions: int = 0
     swaps: int = 0                  # decoding sequences swapped out for a first token (first-token policy)
+    failed: int = 0                 # requests ended by an error of their own inside a step (finish_reason "error")
 
 
 def model_len(runner: ModelRunner, cfg: EngineConfig) -> int:
@@ -248,7 +250,7 @@ class LLMEngine:
             seq.pool_restore = 0
             self.blocks.commit(seq)
             if seq.seq_id in logits and seq.num_computed == seq.num_tokens:
-                outputs.append(self._append(seq, sample(logits[seq.seq_id], seq.params, seq.generator)))
+                outputs.append(self._next_token(seq, logits[seq.seq_id]))
         return outputs
 
     def _count_hit(self, seq: Sequence) -> None:
@@ -300,7 +302,7 @@ class LLMEngine:
                     seq.num_computed = end
                     self.blocks.commit(seq)
                     if end == seq.num_tokens:
-                        outputs.append(self._append(seq, sample(results[i].logits, seq.params, seq.generator)))
+                        outputs.append(self._next_token(seq, results[i].logits))
                 if seq.num_preemptions == 0:
                     self._count_hit(seq)
         return outputs
@@ -322,6 +324,21 @@ class LLMEngine:
             self.stats.computed_tokens += s.num_tokens
             logits[seq.seq_id] = res.logits if end == seq.num_tokens else None   # None: restored, not sampled yet
             seq.pool_restore = 0
+
+    def _next_token(self, seq: Sequence, logits) -> RequestOutput:
+        """Sample and append ``seq``'s next token. What fails here is this request's own (its sampling, its stop
+        strings, its text): it ends alone with finish_reason "error", the step's other requests go on."""
+        try:
+            return self._append(seq, sample(logits, seq.params, seq.generator))
+        except Exception as err:
+            log.exception("request %d failed inside a step; the others go on", seq.seq_id)
+            seq.finish_reason = "error"
+            if not seq.finished:
+                self.scheduler.finish(seq)
+            self.seqs.pop(seq.seq_id, None)
+            self.stats.failed += 1
+            return RequestOutput(seq.seq_id, [], "", True, "error", seq.num_prompt_tokens, seq.num_output,
+                                 seq.resident_hit_tokens + seq.pool_hit_tokens, f"{type(err).__name__}: {err}")
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         now = time.perf_counter()

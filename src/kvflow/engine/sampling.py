@@ -74,10 +74,16 @@ def _number(x) -> bool:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from next-token ``logits`` [vocab] (fp32)."""
+    """One token id from next-token ``logits`` [vocab] (fp32); never fails on an in-range parameter.
+
+    Numerically safe for every value ``validate`` admits: scores are shifted so the largest is 0 and divided in
+    fp64 (temperature 1e-300 sends every other token to -inf instead of making inf - inf), top-p keeps at least the
+    most likely token (top_p 1e-300 is 0 in fp32), and a distribution that is still not finite falls back to argmax.
+    """
     if params.greedy:
         return int(logits.argmax())
-    scores = logits.float() / params.temperature
+    scores = logits.double()
+    scores = (scores - scores.max()) / params.temperature
     if params.top_k > 0 and params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -85,6 +91,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         order = torch.argsort(scores, descending=True)
         probs = torch.softmax(scores[order], dim=-1)
         drop = probs.cumsum(-1) - probs >= params.top_p        # keep the smallest prefix reaching top_p
+        drop[0] = False
         scores[order[drop]] = float("-inf")
     probs = torch.softmax(scores, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return int(logits.argmax())
     return int(torch.multinomial(probs, 1, generator=generator))

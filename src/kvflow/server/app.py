@@ -7,8 +7,10 @@
     POST /v1/chat/completions    messages through the checkpoint's chat template or the byte-level fallback
 
 Every failure is an OpenAI-style JSON error ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
-request (malformed JSON, bad field, bad sampling value, prompt longer than the context), 401 for a wrong API key,
-404 for an unknown model, 503 while shutting down, 500 if the engine fails — and the server keeps serving.
+request (malformed JSON, bad field, bad sampling value, prompt longer than the context, a limit of ``server:``
+exceeded: protocol.py), 413 for a body over ``server.max_body_bytes``, 401 for a wrong API key, 404 for an unknown
+model, 503 while shutting down, 500 if the engine fails — and the server keeps serving. A request that fails inside
+a step ends alone (finish_reason "error", engine.py); a client that goes away, streaming or not, aborts its request.
 """
 
 from __future__ import annotations
@@ -21,40 +23,49 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.engine import LLMEngine
 from kvflow.engine.engine import RequestOutput
 from kvflow.errors import KVFlowError
+from kvflow.server.limits import ServerLimits
 from kvflow.server.loop import EngineLoop, ServerBusy
 from kvflow.server.metrics import ServerMetrics
-from kvflow.server.protocol import ChatRequest, CompletionRequest
+from kvflow.server.protocol import APIError, ChatRequest, CompletionRequest, parse_body, too_large, validate
 
 log = logging.getLogger("kvflow.server")
 DEFAULT_MAX_TOKENS = 16
+DISCONNECT_POLL_S = 0.25      # how often a non-streaming request checks that its client is still there
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+class BearerAuth:
+    """Every route but /health wants ``Authorization: Bearer KEY`` (the scheme in any case, RFC 7235; white space
+    around the key is not part of it, RFC 9110 §5.5). A plain ASGI middleware: it hands the route the server's own
+    ``receive``, so a handler can still see its client go away."""
 
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+    def __init__(self, app, api_key: str, metrics: ServerMetrics):
+        self.app, self.key, self.metrics = app, api_key.encode(), metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, given = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self.key):
+                self.metrics.responses.labels(scope["path"] if scope["path"] in ROUTES else "other", "401").inc()
+                err = APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
-def _validation_message(err: ValidationError) -> tuple[str, str | None]:
-    first = err.errors()[0]
-    where = ".".join(str(p) for p in first.get("loc", ()))
-    msg = first.get("msg", "invalid value")
-    return (f"{where}: {msg}" if where else msg), (where or None)
+class ClientGone(Exception):
+    """The client of a non-streaming request went away: its request was aborted."""
 
 
 def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | None = None,
-              drain_timeout_s: float = 30.0) -> FastAPI:
+              drain_timeout_s: float = 30.0, limits: ServerLimits | None = None) -> FastAPI:
+    limits = limits or ServerLimits()
     state: dict = {}
     metrics = ServerMetrics(engine, lambda: state.get("loop"))
 
@@ -72,37 +83,40 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
-        metrics.responses.labels(request.url.path, str(err.status)).inc()
+        metrics.responses.labels(_route(request), str(err.status)).inc()
         return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        """Unknown route (404), wrong method (405): the same JSON error shape as every other answer."""
+        metrics.responses.labels("other", str(err.status_code)).inc()
+        return APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}").response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, err: Exception):
         log.exception("unexpected error on %s", request.url.path)
-        metrics.responses.labels(request.url.path, "500").inc()
+        metrics.responses.labels(_route(request), "500").inc()
         return APIError(500, f"internal error: {type(err).__name__}", "server_error").response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                metrics.responses.labels(request.url.path, "401").inc()
-                return APIError(401, "invalid or missing API key", "authentication_error",
-                                code="invalid_api_key").response()
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key, metrics=metrics)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused (413) as soon as it passes the limit: an oversized upload is never held whole."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limits.max_body_bytes:
+            raise too_large(limits)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise too_large(limits)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def parse(request: Request, cls):
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise APIError(400, f"request body is not valid JSON: {err}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
-        try:
-            req = cls.model_validate(body)
-        except ValidationError as err:
-            msg, param = _validation_message(err)
-            raise APIError(400, msg, param=param) from None
+        body = parse_body(await read_body(request), limits)
+        req = validate(cls, body, limits)
         if req.model != model_name:
             raise APIError(404, f"model {req.model!r} does not exist (this server serves {model_name!r})",
                            param="model", code="model_not_found")
@@ -138,24 +152,53 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
         try:
             while not done:
                 item = await handle.events.get()
+                if isinstance(item, ClientGone):
+                    raise item
                 if isinstance(item, KVFlowError):
                     raise APIError(400, str(item))
                 if isinstance(item, Exception):
                     raise APIError(500, f"engine error: {type(item).__name__}: {item}", "server_error")
+                if item.error is not None:
+                    raise APIError(500, f"request failed: {item.error}", "server_error")
                 done = item.finished
                 yield item
         finally:
             if not done:
                 state["loop"].abort(handle)
 
-    async def collect(handle) -> tuple[str, list[int], RequestOutput]:
-        """Text, token ids and the last output of one request, run to its end."""
-        text, ids, last = [], [], None
-        async for out in events(handle):
-            text.append(out.text_delta)
-            ids.extend(out.new_token_ids)
-            last = out
-        return "".join(text), ids, last
+    async def watch(request: Request, handles) -> None:
+        """Until cancelled: when the client of a non-streaming request goes away, abort its requests. (Streaming
+        responses need no watcher: Starlette cancels their generator, and ``events`` aborts.)"""
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        for handle in handles:
+            state["loop"].abort(handle)
+            handle.events.put_nowait(ClientGone())
+
+    async def collect_all(request: Request, handles) -> list[tuple[str, list[int], RequestOutput]]:
+        """Text, token ids and the last output of each request, run to its end; the others are aborted when one
+        fails, all of them when the client goes away."""
+        watcher = asyncio.create_task(watch(request, handles))
+        done: list[tuple[str, list[int], RequestOutput]] = []
+        try:
+            for handle in handles:
+                text, ids, last = [], [], None
+                async for out in events(handle):
+                    text.append(out.text_delta)
+                    ids.extend(out.new_token_ids)
+                    last = out
+                done.append(("".join(text), ids, last))
+        except ClientGone:
+            raise APIError(499, "client closed the request", code="client_closed") from None
+        finally:
+            watcher.cancel()
+            for handle in handles[len(done) + 1:]:
+                state["loop"].abort(handle)
+        return done
+
+    async def tokenize(fn, *args) -> list:
+        """Tokenizer work off the event loop: a long prompt must not stall /health and the other requests."""
+        return await asyncio.to_thread(fn, *args)
 
     def usage(out: RequestOutput) -> dict:
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
@@ -181,7 +224,7 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
         req = await parse(request, CompletionRequest)
         if req.echo or req.logprobs:
             raise APIError(400, "echo and logprobs are not supported", param="echo" if req.echo else "logprobs")
-        prompts = _prompts(req.prompt, tokenizer)
+        prompts = await tokenize(_prompts, req.prompt, tokenizer)
         params = sampling(req, None)
         for ids in prompts:
             check(ids, params)
@@ -191,20 +234,14 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
         handles = [submit(ids, params) for ids in prompts]
         if req.stream:
             return _sse(_stream_completion(events(handles[0]), rid, created, model_name, req.include_usage, usage))
-        done: list[tuple[str, list[int], RequestOutput]] = []
-        try:
-            for handle in handles:
-                done.append(await collect(handle))
-        finally:
-            for handle in handles[len(done) + 1:]:      # one failed: the others are not waited for
-                state["loop"].abort(handle)
+        done = await collect_all(request, handles)
         choices = [{"index": i, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": last.finish_reason}
                    for i, (text, ids, last) in enumerate(done)]
         parts = [usage(last) for _, _, last in done]
         total = {k: sum(u[k] for u in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
         total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
                                                                for u in parts)}
-        metrics.responses.labels(request.url.path, "200").inc()
+        metrics.responses.labels(_route(request), "200").inc()
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": total}
 
@@ -213,21 +250,30 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
         req = await parse(request, ChatRequest)
         if req.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
-        ids = tokenizer.chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        ids = await tokenize(tokenizer.chat, [{"role": m.role, "content": m.text()} for m in req.messages])
         params = sampling(req, req.max_completion_tokens)
         check(ids, params)
         rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         handle = submit(ids, params)
         if req.stream:
             return _sse(_stream_chat(events(handle), rid, created, model_name, req.include_usage, usage))
-        text, tokens, last = await collect(handle)
-        metrics.responses.labels(request.url.path, "200").inc()
+        [(text, tokens, last)] = await collect_all(request, [handle])
+        metrics.responses.labels(_route(request), "200").inc()
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": tokens,
                              "logprobs": None, "finish_reason": last.finish_reason}],
                 "usage": usage(last)}
 
     return app
+
+
+ROUTES = ("/health", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions")
+
+
+def _route(request: Request) -> str:
+    """The metrics label of a request's path: a served route, else "other" (any path a client makes up must not
+    become a label of its own)."""
+    return request.url.path if request.url.path in ROUTES else "other"
 
 
 def _prompts(prompt, tokenizer) -> list[list[int]]:
@@ -257,7 +303,7 @@ async def _stream_completion(outputs, rid, created, model, include_usage, usage)
                          "choices": [{"index": 0, "text": out.text_delta, "token_ids": out.new_token_ids,
                                       "logprobs": None, "finish_reason": out.finish_reason}]})
     except APIError as err:
-        yield _data({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+        yield _data(err.body())
     if include_usage and last is not None:
         yield _data({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
                      "usage": usage(last)})
@@ -276,7 +322,7 @@ async def _stream_chat(outputs, rid, created, model, include_usage, usage):
                                               "token_ids": out.new_token_ids, "logprobs": None,
                                               "finish_reason": out.finish_reason}]})
     except APIError as err:
-        yield _data({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+        yield _data(err.body())
     if include_usage and last is not None:
         yield _data({**head, "choices": [], "usage": usage(last)})
     yield "data: [DONE]\n\n"

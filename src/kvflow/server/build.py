@@ -4,6 +4,7 @@ Config file (YAML/TOML), every section optional::
 
     engine:  {block_size: 16, kv_budget: 64M, max_num_batched_tokens: 512, strategy: cacheflow, ...}
     pool:    {devices: [...], chunk_tokens: 256, ...}      # present: the pool is the tier below resident blocks
+    server:  {max_body_bytes: 32M, max_json_depth: 32, max_messages: 1024, max_prompts: 64}   # server/limits.py
 
 No config file at all (``kvflow serve`` with no options, and ``make demo``): the embedded defaults below — the
 ``tiny`` preset, EngineConfig's defaults, and a pool on this machine's disk under ``./.kvflow/`` (one extent file
@@ -18,6 +19,8 @@ import os
 from kvflow.config import read_file
 from kvflow.engine import EngineConfig, LLMEngine
 from kvflow.engine.tokenizer import load_tokenizer
+from kvflow.errors import ConfigError
+from kvflow.server.limits import ServerLimits
 
 log = logging.getLogger("kvflow.server")
 
@@ -47,8 +50,8 @@ def build_engine(model: str, config: str | dict | None = None, *, seed: int = 0,
     or a mapping such as ``default_config()``); ``elastic_reserve`` turns engine.elastic_reserve on."""
     from kvflow import KVPool, Restorer, load_model
 
-    data = config if isinstance(config, dict) else read_file(config) if config else {}
-    engine_cfg = EngineConfig.load(data)
+    data = read_config(config)
+    engine_cfg = EngineConfig.load({"engine": data.get("engine") or {}})
     if elastic_reserve:
         engine_cfg.elastic_reserve = True
     if engine_cfg.holds_to_live_set:
@@ -68,14 +71,43 @@ def serve(model: str = DEFAULT_MODEL, config: str | None = None, host: str = "12
     import uvicorn
 
     from kvflow.server.app import build_app
-
     from kvflow.threads import in_fresh_thread
 
+    api_key = check_api_key(api_key if api_key is not None else os.environ.get("KVFLOW_API_KEY"))
+    limits = ServerLimits.load({"server": read_config(config).get("server") or {}})
     # built on a thread that ends here: the main thread (uvicorn's) keeps no OpenMP team beside the engine thread's
     engine, tokenizer = in_fresh_thread(build_engine, model, config or default_config(), seed=seed,
                                         elastic_reserve=elastic_reserve)
-    api_key = api_key or os.environ.get("KVFLOW_API_KEY") or None
-    app = build_app(engine, model, tokenizer, api_key=api_key)
-    log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens, pool %s)", model, host, port,
-             engine.num_blocks, engine.config.block_size, "on" if engine.pool else "off")
+    app = build_app(engine, model, tokenizer, api_key=api_key, limits=limits)
+    log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens, pool %s, API key %s)", model, host, port,
+             engine.num_blocks, engine.config.block_size, "on" if engine.pool else "off",
+             "required" if api_key else "off")
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+
+
+SECTIONS = ("engine", "pool", "server")
+
+
+def read_config(config: str | dict | None) -> dict:
+    """A server config (a file or a mapping) with only known sections, each a mapping; ConfigError otherwise."""
+    data = config if isinstance(config, dict) else read_file(config) if config else {}
+    where = "config" if isinstance(config, dict) else str(config)
+    for name, section in data.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"{where}: unknown section {str(name)!r} (known: {', '.join(SECTIONS)})")
+        if section is not None and not isinstance(section, dict):
+            raise ConfigError(f"{where}: section {name!r} must be a mapping, got {type(section).__name__}")
+    return data
+
+
+def check_api_key(key: str | None) -> str | None:
+    """``--api-key`` / ``KVFLOW_API_KEY`` as given; an empty or blank key is an error, not authentication turned off
+    without a word (leave the option out to serve without a key), and so is one with white space at either end (HTTP
+    drops it from the header, so no client could ever match it)."""
+    if key is None:
+        return None
+    if not key.strip():
+        raise ConfigError("--api-key / KVFLOW_API_KEY is empty: give a key, or leave both unset to serve without one")
+    if key != key.strip():
+        raise ConfigError("--api-key / KVFLOW_API_KEY has white space at its start or end; no client could send it")
+    return key

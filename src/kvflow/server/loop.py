@@ -3,7 +3,9 @@
     handler (event loop)  --submit()-->  inbox (queue.Queue)  -->  engine thread: add_request / step()
     handler  <--asyncio.Queue per request (call_soon_threadsafe)--  RequestOutput | Exception
 
-An exception inside one step fails the requests of that step (their handlers answer 500) and the loop goes on;
+A request that fails inside a step on its own (its sampling, its stop strings) ends alone with an error output
+(engine.py, ``_next_token``); an exception out of the step itself (the batched forward) fails the requests of that
+step (their handlers answer 500) and the loop goes on;
 shutdown() stops admissions, lets running requests finish (up to a timeout), then flushes the pool writes.
 """
 
@@ -35,6 +37,7 @@ class Handle:
     seq_id: int | None = None
     submitted_s: float = field(default_factory=time.perf_counter)
     last_s: float | None = None
+    aborted: bool = False          # set by the handler's side; an aborted handle still in the inbox is never admitted
 
 
 class EngineLoop:
@@ -66,6 +69,7 @@ class EngineLoop:
         return handle
 
     def abort(self, handle: Handle) -> None:
+        handle.aborted = True
         self._aborts.put(handle)
         self._wake.set()
 
@@ -82,6 +86,8 @@ class EngineLoop:
                 handle = self.inbox.get_nowait()
             except queue.Empty:
                 return
+            if handle.aborted:
+                continue
             try:
                 handle.seq_id = self.engine.add_request(handle.prompt_ids, handle.params)
                 self.handles[handle.seq_id] = handle

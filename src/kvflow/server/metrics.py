@@ -3,6 +3,8 @@ the engine, its block manager and its pool tier at scrape time (a custom collect
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -49,6 +51,9 @@ class _EngineCollector:
         yield gauge("kvflow_waiting_sequences", "sequences admitted by the server, waiting for blocks", e.num_waiting)
         yield gauge("kvflow_queue_length", "requests not yet handed to the engine",
                     loop.queue_length if loop is not None else 0)
+        yield gauge("kvflow_inflight_requests", "requests the server holds a handle for (admitted, not finished)",
+                    len(loop.handles) if loop is not None else 0)
+        yield gauge("kvflow_process_threads", "threads of the server process", threading.active_count())
         yield gauge("kvflow_kv_blocks_total", "resident KV blocks", e.num_blocks)
         yield gauge("kvflow_kv_block_usage_ratio", "share of resident KV blocks held by sequences", e.blocks.usage)
         yield gauge("kvflow_kv_cached_blocks", "resident blocks holding a hashed prefix", len(e.blocks.cached))
@@ -72,6 +77,10 @@ class _EngineCollector:
         yield counter("kvflow_swaps", "decoding sequences swapped out to the pool for a first token", st.swaps)
         yield counter("kvflow_kv_block_evictions", "cached resident blocks reused for new data", e.blocks.evictions)
         yield counter("kvflow_engine_step_errors", "engine steps that raised", loop.step_errors if loop else 0)
+        yield counter("kvflow_requests_failed", "requests ended alone by an error of their own inside a step",
+                      st.failed)
+        yield counter("kvflow_requests_aborted", "requests aborted (client gone, or a sibling prompt failed)",
+                      st.aborted)
         el = e.elastic
         if el is not None:                  # engine.elastic_reserve (engine/elastic.py)
             es = el.stats

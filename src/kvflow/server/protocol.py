@@ -1,17 +1,50 @@
-"""OpenAI request bodies (the fields kvflow honours; unknown fields are ignored as OpenAI's servers do) and the
-mapping to SamplingParams. Extensions, as in vLLM: ``top_k``, ``stop_token_ids``, ``ignore_eos``; token-id prompts."""
+"""OpenAI request bodies: from raw bytes to a typed request, or an ``APIError`` (a 4xx) — nothing in between raises
+anything else. Unknown fields are ignored, as OpenAI's servers do; extensions, as in vLLM: ``top_k``,
+``stop_token_ids``, ``ignore_eos``, token-id prompts.
+
+What a body must be (each rule is a 400 or 413 naming the field; docs/ENGINE.md, "Requests"):
+
+    bytes    at most ``server.max_body_bytes`` (413), UTF-8 (RFC 8259: a UTF-16 body is refused)
+    JSON     one object, nested at most ``server.max_json_depth`` deep, every string valid Unicode (no lone
+             surrogate such as "\\ud800": it cannot become UTF-8 or tokens)
+    fields   strictly typed: a boolean is not a number, "5" is not an integer, 5.0 is not an integer (an integer
+             is a number); chat content is a string or a list of {"type": "text", "text": str} parts
+    counts   at most ``server.max_messages`` chat messages, ``server.max_prompts`` prompts per completion request
+"""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvflow.engine import SamplingParams
+from kvflow.server.limits import ServerLimits
 
 
-class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class APIError(Exception):
+    """An OpenAI-style error answer: ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        message, param = _printable(message), None if param is None else _printable(param)
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _Base(_Strict):
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -33,7 +66,7 @@ class _Base(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return (self.stream_options or {}).get("include_usage") is True
 
 
 class CompletionRequest(_Base):
@@ -42,18 +75,110 @@ class CompletionRequest(_Base):
     logprobs: int | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text":
+            raise ValueError(f"content part type {self.type!r} is not supported (this server takes text parts)")
+        if self.text is None:
+            raise ValueError("a text content part needs a string 'text'")
+        return self
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: Union[str, list[ContentPart], None] = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return "".join(part.text for part in self.content)
 
 
 class ChatRequest(_Base):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+
+
+def parse_body(raw: bytes, limits: ServerLimits) -> dict:
+    """The request body as a JSON object within ``limits``; APIError otherwise."""
+    if len(raw) > limits.max_body_bytes:
+        raise too_large(limits)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"request body is not UTF-8 (byte {err.start})") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise APIError(400, f"request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise APIError(400, f"request JSON is nested deeper than {limits.max_json_depth} levels") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    _check_tree(body, limits.max_json_depth)
+    return body
+
+
+def too_large(limits: ServerLimits) -> APIError:
+    return APIError(413, f"request body is larger than server.max_body_bytes ({limits.max_body_bytes} bytes)",
+                    code="request_too_large")
+
+
+def _check_tree(body: dict, max_depth: int) -> None:
+    """Depth within ``max_depth`` and every string (keys too) encodable as UTF-8; iterative, so no depth can
+    exhaust the stack."""
+    stack: list[tuple[Any, int, str]] = [(body, 1, "")]
+    while stack:
+        node, depth, where = stack.pop()
+        if depth > max_depth:
+            raise APIError(400, f"request JSON is nested deeper than {max_depth} levels", param=where or None)
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            path = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str):
+                _utf8(key, path)
+            if isinstance(value, str):
+                _utf8(value, path)
+            elif isinstance(value, (dict, list)):
+                stack.append((value, depth + 1, path))
+
+
+def _utf8(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise APIError(400, f"{where}: not valid Unicode (lone surrogate {text[err.start]!r} at {err.start})",
+                       param=where) from None
+
+
+def validate(cls, body: dict, limits: ServerLimits):
+    """``cls`` (CompletionRequest or ChatRequest) from a parsed body, with the per-request counts checked."""
+    if cls is ChatRequest and isinstance(body.get("messages"), list) and len(body["messages"]) > limits.max_messages:
+        raise APIError(400, f"{len(body['messages'])} messages: at most server.max_messages ({limits.max_messages})",
+                       param="messages")
+    if (cls is CompletionRequest and isinstance(body.get("prompt"), list) and body["prompt"]
+            and not isinstance(body["prompt"][0], int) and len(body["prompt"]) > limits.max_prompts):
+        raise APIError(400, f"{len(body['prompt'])} prompts: at most server.max_prompts ({limits.max_prompts}) per "
+                       "request", param="prompt")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as err:
+        # the deepest error says most (a union reports one per branch); union branch tags leave the path
+        first = max(err.errors(), key=lambda e: len(e.get("loc", ())))
+        where = ".".join(str(p) for p in first.get("loc", ()) if not _branch_tag(p))
+        msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+        raise APIError(400, f"{where}: {msg}" if where else msg, param=where or None) from None
+
+
+def _branch_tag(part) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def _printable(text: str) -> str:
+    """``text`` as valid UTF-8 (a lone surrogate quoted from the request becomes ``\\ud800``)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
