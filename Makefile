@@ -14,7 +14,7 @@ $(BIN)/python:
 # torch first, pinned: a bare `torch` requirement would let pip fetch a multi-GB CUDA wheel.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,plot,client,redis]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -89,10 +89,17 @@ def test_bench_parts_produce_ratios_tables_and_a_figure(tmp_path):
                                               global_drop=False),     # never drop the whole machine's cache
         "lookup": pool_bench.lookup(1024, 4096, 2, [None, 1e9], lambda s: None),
     }
-    s = results["striping"]                    # the ratios are bench output; here only that they are there
-    assert set(s["placements"]) == {"bandwidth", "equal", "overflow"} and s["sum_individual"] > 0
-    assert 0 < results["passthrough"]["extent_over_files_bw"]
-    assert all(link["share"] > 0 for link in results["lookup"]["links"])
+    s = results["striping"]                    # the timed ratios are bench output; here what they are ratios of
+    assert set(s["placements"]) == {"bandwidth", "equal", "overflow"}
+    # where the records went is arithmetic, not timing: in proportion to 4:1:1, evenly, all on the fastest device
+    assert s["placements"]["bandwidth"]["share"] == pytest.approx([4 / 6, 1 / 6, 1 / 6])
+    assert s["placements"]["equal"]["share"] == pytest.approx([1 / 3] * 3)
+    assert s["placements"]["overflow"]["share"] == pytest.approx([1, 0, 0])
+    assert s["sum_individual"] == pytest.approx(sum(s["individual_bw"])) and len(s["individual_bw"]) == 3
+    assert all(r["ratio_to_sum"] == pytest.approx(r["read_bw"] / s["sum_individual"]) for r in s["placements"].values())
+    p = results["passthrough"]
+    assert p["extent_over_files_bw"] == pytest.approx(p["extent"]["read_bw"] / p["files"]["read_bw"])
+    assert all(link["share"] == pytest.approx(link["lookup_s"] / link["load_s"]) for link in results["lookup"]["links"])
     assert [title for title, _ in pool_bench.tables(results)]
     pool_bench.figure(results, tmp_path / "pool.png")
     assert (tmp_path / "pool.png").stat().st_size > 10_000

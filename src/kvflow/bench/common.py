@@ -77,7 +77,8 @@ def report(results: dict, folder: Path, tables, as_json: bool, footer: str) -> N
 
 def save_figure(path: str | Path, draw: Callable[[list], None], panels: int = 1, size=(5.0, 3.6)) -> Path:
     """One row of ``panels`` axes, filled by ``draw(axes)``, saved as PNG without a display."""
-    import matplotlib
+    from kvflow.extras import require
+    matplotlib = require("plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -110,7 +110,8 @@ def check_conversation(url: str, runner, tokenizer, w: ChatWorkload, tick: Calla
     """User 0's turns through the server at ``url`` (non-streaming, greedy, eos ignored, as the workload sends them);
     each answer's token ids against ``generate`` on the prompt the server saw."""
     import torch
-    from openai import OpenAI
+    from kvflow.extras import require
+    OpenAI = require("client").OpenAI
 
     s = sessions(w)[0]
     client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)

@@ -336,7 +336,8 @@ COLORS = {"compute": "#4C72B0", "fallback": "#C44E52", "query": "#55A868", "head
 
 def figure(results: dict, folder: Path) -> list[Path]:
     """One PNG per link setting: one panel per configuration, two lanes per stage (compute, I/O)."""
-    import matplotlib
+    from kvflow.extras import require
+    matplotlib = require("plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -270,7 +270,8 @@ async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "u
     returned, ``return_token_ids`` asked for), so kvflow and a peer started without a tokenizer get the same ids."""
     import hashlib
 
-    from openai import AsyncOpenAI
+    from kvflow.extras import require
+    AsyncOpenAI = require("client").AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
     records: list[TurnRecord] = []
@@ -494,7 +495,8 @@ async def run_soak(base_url: str, model: str, clients: int = 8, duration_s: floa
                    rss=None, max_tokens: int = 8) -> dict:
     """``clients`` valid users (half streaming) and one client sending bad requests and hanging up mid-stream, for
     ``duration_s``. Valid requests must all succeed; bad ones must all get 4xx; RSS sampled once a second."""
-    import httpx
+    from kvflow.extras import require
+    httpx = require("client", "httpx")
 
     stop_at = time.perf_counter() + duration_s
     counts = {"valid": 0, "valid_errors": 0, "bad": 0, "bad_4xx": 0, "bad_other": 0, "hangups": 0}

@@ -50,7 +50,8 @@ def _remote(url: str, cluster: bool, prefix: str, **extra) -> dict:
 
 def _clear(url: str, cluster: bool, prefix: str) -> None:
     """Delete this run's keys (every node)."""
-    import redis
+    from kvflow.extras import require
+    redis = require("redis")
     from redis.cluster import ClusterNode, RedisCluster
 
     hosts = [h.rsplit(":", 1) for h in url.partition("://")[2].rpartition("@")[2].split(",")]

@@ -52,7 +52,8 @@ def plot_timeline(events: list[Event], path, title: str, chunk_tokens: int, offs
     and restoration ends where the two pointers meet."""
     import textwrap
 
-    import matplotlib
+    from kvflow.extras import require
+    matplotlib = require("plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle

@@ -4,7 +4,7 @@ glibc serves a large ``malloc`` with a fresh ``mmap`` and gives it back with ``m
 starts at 128 KiB and moves with what was freed); it also trims the heap's free top back to the kernel. A forward
 step allocates tens of MiB of intermediates and frees them, so every step faults their pages in again, zeroed.
 Measured on the 2-vCPU box (torch 2.13, `qwen2.5-0.5b@layers=4`, a 4K context recomputed in 256-token chunks):
-about 190,000 minor faults per pass; with the fixed thresholds below, 0 after the first pass. What that saves in
+about 186,000 minor faults per pass; with the fixed thresholds below, 0 after the first pass. What that saves in
 wall time is below this machine's noise: three rounds of alternating processes (docs/bench/malloc_ab.py) read a
 median pass 1.02x glibc's defaults, an earlier informal A/B 0.86x; no speedup is claimed, the kernel work is gone.
 

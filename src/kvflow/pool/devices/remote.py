@@ -150,7 +150,8 @@ class RemoteDevice(Device):
             return self._client
 
     def _connect(self):
-        import redis
+        from kvflow.extras import require
+        redis = require("redis")
         from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
         from redis.retry import Retry
