@@ -33,8 +33,10 @@ def _rhos(text: str) -> list[float | None]:
             value = float(x)
         except ValueError:
             raise KVFlowError(f"bad --rho {text!r}: numbers or 'unthrottled', e.g. 1,unthrottled") from None
-        if not 0 < value <= MAX_RHO:          # nan and 1e400 (inf as a number) too: 'inf' is the word above
-            raise KVFlowError(f"bad --rho {text!r}: rho must be in (0, {MAX_RHO:g}] or 'unthrottled'")
+        if value <= 0:
+            raise KVFlowError(f"bad --rho {text!r}: rho must be positive")
+        if not value <= MAX_RHO:              # nan and 1e400 (inf as a number) too: 'inf' is the word above
+            raise KVFlowError(f"bad --rho {text!r}: rho must be a number up to {MAX_RHO:g}, or 'unthrottled'")
         out.append(value)
     if not out:
         raise KVFlowError("--rho needs at least one value")
