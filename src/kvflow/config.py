@@ -143,8 +143,9 @@ def from_dict(cls, data: Mapping | None, where: str):
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = set(data) - names
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r} (known: {', '.join(sorted(names))})")
+    if unknown:         # YAML keys may be numbers, null or dates beside strings: ordered by their text
+        first = min(unknown, key=lambda k: (str(k), type(k).__name__))
+        raise ConfigError(f"{where}: unknown key {first!r} (known: {', '.join(sorted(names))})")
     kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
     try:
         obj = cls(**kwargs)

@@ -22,8 +22,10 @@ def test_local_checkpoint_directory_loads_with_same_fingerprint(tiny, tmp_path):
     assert loaded.fingerprint == tiny.fingerprint and loaded.num_layers == tiny.num_layers
 
 
-@pytest.mark.parametrize("name", ["nosuch", "tiny@layers=0", "tiny@layers=99", "tiny@depth=2", "./no/such/dir"])
+@pytest.mark.parametrize("name", ["nosuch", "tiny@layers=0", "tiny@layers=99", "tiny@depth=2", "./no/such/dir",
+                                  "tiny@", "tiny@layers=²", "tiny@layers=１", "tiny@layers=", "tiny@@", "@"])
 def test_bad_model_names_raise_model_error(name):
+    """Issue 37: ``tiny@`` was silently ``tiny``; ``tiny@layers=²`` passed str.isdigit() and crashed int()."""
     with pytest.raises(ModelError):
         load_model(name)
 

@@ -1,4 +1,5 @@
-"""Generated bad input for every entry point a user types into: pool configs (YAML), command-line arguments and
+"""Generated bad input for every entry point a user types into: pool configs (YAML, keys of any type), command-line
+arguments (model names, dtypes, and every numeric or list option of the demo, profile and bench commands) and
 ``KVFLOW_*`` environment values, plus damaged checkpoints and cost profiles on disk. ``run_case`` runs one case
 in-process through ``kvflow.cli.main.main`` (the same code path as the shell) and returns what a user would see.
 
@@ -119,7 +120,7 @@ def pool_configs(draw):
                 dev.pop(draw(st.sampled_from(sorted(dev))))
         elif what == 8:
             target = draw(st.sampled_from([cfg, draw(st.sampled_from(devices))]))
-            target[draw(st.sampled_from(["colour", "devise", "capacty"]))] = 1         # unknown key
+            target[draw(st.sampled_from(["colour", "devise", "capacty", 1, 2.5, None, True]))] = 1   # unknown key
         else:
             replaced = draw(st.sampled_from([[], devices * 2, [{}], "extent", None]))
     cfg["devices"] = devices if replaced is None else replaced
@@ -172,8 +173,49 @@ def pool_cases(draw) -> Case:
 
 
 MODELS = ["tiny", "tiny", "tiny", "tiny@layers=2", "ck", "ck", "tiny@layers=0", "tiny@layers=99", "tiny@lay=1", "nosuch", "ck", "ck-truncated",
-          "ck-noweights", "ck-badconfig", "/no/such/dir", "afile", ""]
-DTYPES = ["float32", "bfloat16", "float8", "", "fp16", "int3"]
+          "ck-noweights", "ck-badconfig", "/no/such/dir", "afile", "", "tiny@", "tiny@layers=²", "tiny@layers=１",
+          "tiny@@", "@"]
+DTYPES = ["float32", "bfloat16", "float8", "", "fp16", "int3", "bf16", "float16"]
+# Numbers where a count, ratio, rate or seed is expected: the limits' edges and what lies past them.
+NUMBERS = ["0", "-4", "nan", "inf", "-inf", "1e400", "99999999999999999999", "9223372036854775808", "abc", "",
+           "0.5", "1", "2", "1000", "1001", "10", "11", "256", "257"]
+# The other commands with numeric or list options: (argv, options). Each stops at its real work (``Reached``).
+BENCHES = [
+    (["demo", "restore", "--model", "tiny"], ["--rho", "--context", "--query"]),
+    (["demo", "--model", "tiny"], ["--users", "--rounds", "--rate", "--think", "--kv-share", "--repeats", "--seed",
+                                   "--system-tokens"]),
+    (["bench", "pool"], ["--record-kib", "--loop-caps", "--loop-base", "--loop-data"]),
+    (["bench", "restore", "--model", "tiny"], ["--rho", "--lengths", "--latency", "--gbps", "--batch", "--context",
+                                               "--query", "--repeats"]),
+    (["bench", "second-turn", "--model", "tiny"], ["--rho", "--history", "--chunk-tokens", "--seed", "--repeats"]),
+    (["bench", "pipeline", "--model", "tiny"], ["--rho", "--stages", "--threads", "--timeout", "--seed", "--chunk",
+                                                "--context"]),
+    (["bench", "decode", "--model", "tiny"], ["--sequences", "--prompt-len", "--max-tokens", "--repeats"]),
+    (["bench", "serve", "--model", "tiny", "--users", "1", "--rounds", "1"],
+     ["--rate", "--think", "--kv-share", "--rho", "--block-size", "--chunk-tokens", "--max-batched", "--repeats",
+      "--seed", "--users"]),
+    (["bench", "soak", "--model", "tiny"], ["--clients", "--duration", "--seed"]),
+    (["bench", "shared"], ["--caps", "--tokens"]),
+    (["bench", "elastic", "--model", "tiny"], ["--budgets", "--long-len", "--gap", "--seed", "--repeats"]),
+    (["profile", "tiny"], ["--seed", "--max-position", "--repeats"]),
+]
+# Where each of those commands starts its real work.
+WORK = ["kvflow.bench.pool_bench.run", "kvflow.bench.pipeline_bench.run", "kvflow.bench.shared_bench.run",
+        "kvflow.bench.restore_bench.make_bench", "kvflow.bench.second_turn.run_second_turn",
+        "kvflow.bench.serve_bench.batched_decode", "kvflow.bench.demo.run_demo", "kvflow.bench.elastic_bench.run",
+        "kvflow.bench.server_process.ServerProcess", "kvflow.bench.serve_bench.run_chat",
+        "kvflow.bench.serve_bench.run_soak", "kvflow.bench.bound.recompute_rate",
+        "kvflow.engine.reserve.hold_to_live_set", "kvflow.bench.connector_bench.run"]
+
+
+@st.composite
+def bench_cases(draw) -> Case:
+    argv, options = draw(st.sampled_from(BENCHES))
+    argv = list(argv)
+    for opt in draw(st.lists(st.sampled_from(options), min_size=1, max_size=3, unique=True)):
+        value = draw(st.one_of(st.sampled_from(NUMBERS), st.sampled_from(NUMBERS).map(lambda v: f"{v},1")))
+        argv += [opt, value]
+    return Case(argv)
 
 
 @st.composite
@@ -229,7 +271,7 @@ def profiles(draw):
 
 
 def cases():
-    return st.one_of(pool_cases(), model_cases())
+    return st.one_of(pool_cases(), model_cases(), bench_cases())
 
 
 # -- running one case --------------------------------------------------------------------------------------------
@@ -248,7 +290,7 @@ def _checkpoints(root: Path, source: Path) -> None:
 def _write(root: Path, case: Case, profile_name: str) -> None:
     (root / "afile").write_text("a file, not a folder\n")
     if case.config is not None:
-        (root / "kvflow.yaml").write_text(yaml.safe_dump(case.config, allow_unicode=True))
+        (root / "kvflow.yaml").write_text(yaml.safe_dump(case.config, allow_unicode=True, sort_keys=False))
     if case.profile is not None:
         folder = root / "home" / "profiles"
         folder.mkdir(parents=True, exist_ok=True)
@@ -300,6 +342,8 @@ def run_case(case: Case, root: Path, checkpoint: Path, profile_name: str) -> lis
     with pytest.MonkeyPatch.context() as mp, _environment(root, case.env):
         mp.setattr("kvflow.cli.restore_cmds.ensure_cost", reached)
         mp.setattr("kvflow.cost.profile", reached)
+        for work in WORK:
+            mp.setattr(work, reached)
         for argv in commands:
             out, err = io.StringIO(), io.StringIO()
             rc, raised, got_there = None, None, False

@@ -5,6 +5,7 @@ was accepted or refused, nothing in between. ``KVFLOW_BAD_INPUT_CASES`` sets how
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from kvflow.config import SECTIONS, load_section
 from kvflow.cost.model import default_profile_path
+from kvflow.errors import ConfigError
 
 from .bad_input import Case, cases, run_case
 
@@ -70,6 +73,53 @@ def test_the_reported_cases_are_one_line_errors(case, checkpoint, profile_name):
     with tempfile.TemporaryDirectory(prefix="kvflow-bad-input-") as root:
         (out,) = run_case(case, Path(root), checkpoint, profile_name)
     assert out.rc == 2 and not out.problems(), (out.problems(), out.stderr)
+
+
+MEMORY = [{"type": "memory", "capacity": "1M"}]
+
+
+@pytest.mark.parametrize("case", [
+    Case(["pool", "stat"], config={"pool": {"index_dir": "idx", 1: 2, "zz": 3, "devices": MEMORY}}),
+    Case(["pool", "stat"], config={"index_dir": "idx", "devices": [{"type": "memory", "capacity": "1M", 5: "x",
+                                                                    "zz": 1}]}),
+    Case(["pool", "stat"], config={"pool": {"index_dir": "idx", None: 1, 2.5: 1, "devices": MEMORY}}),
+    Case(["profile", "tiny@layers=²"]),
+    Case(["profile", "tiny@"]),
+    Case(["bench", "pool", "--record-kib", "0"]),
+    Case(["bench", "pool", "--record-kib", "-4"]),
+    Case(["demo", "restore", "--model", "tiny", "--rho", "inf"]),
+    Case(["demo", "restore", "--model", "tiny", "--rho", "1e400"]),
+    Case(["profile", "tiny", "--seed", "99999999999999999999"]),
+    Case(["profile", "tiny", "--max-position", "99999999999999999999"]),
+    Case(["bench", "restore", "--model", "tiny", "--latency", "20"]),
+    Case(["bench", "restore", "--model", "tiny", "--lengths", "99999999999"]),
+    Case(["bench", "pipeline", "--rho", "nan"]),
+    Case(["bench", "pipeline", "--threads", "99999"]),
+    Case(["bench", "serve", "--model", "tiny", "--rate", "nan"]),
+    Case(["bench", "serve", "--model", "tiny", "--block-size", "0"]),
+    Case(["demo", "--model", "tiny", "--think", "inf"]),
+    Case(["bench", "soak", "--duration", "nan"]),
+    Case(["bench", "shared", "--caps", "inf,1,1"]),
+], ids=["mixed-keys-in-pool", "mixed-keys-in-a-device", "null-and-float-keys", "layers-superscript-2",
+        "empty-suffix", "record-kib-0", "record-kib-negative", "rho-inf", "rho-1e400", "seed-past-int64",
+        "max-position-past-the-model", "latency-20s", "lengths-past-the-model", "pipeline-rho-nan",
+        "pipeline-threads-99999", "workload-rate-nan", "block-size-0", "think-inf", "soak-duration-nan",
+        "shared-caps-inf"])
+def test_typos_that_used_to_crash_or_pass_are_refused_before_any_work(case, checkpoint, profile_name):
+    """Issue 37's tracebacks and silent acceptances, and the scan of every numeric option after it: each is one
+    line and exit 2, before the command reaches its real work."""
+    with tempfile.TemporaryDirectory(prefix="kvflow-bad-input-") as root:
+        (out,) = run_case(case, Path(root), checkpoint, profile_name)
+    assert out.rc == 2 and not out.reached and not out.problems(), (out.problems(), out.stderr)
+
+
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_an_unknown_key_among_keys_of_mixed_types_is_one_config_error_in_any_section(section):
+    module, _, name = SECTIONS[section].partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    for keys in ({1: 2, "zz": 3}, {None: 1, "zz": 1}, {2.5: 1, True: 2, "a": 3}):
+        with pytest.raises(ConfigError, match="unknown key"):
+            load_section(cls, section, {section: keys}, env={})
 
 
 def test_a_misspelled_variable_is_warned_about(checkpoint, profile_name):

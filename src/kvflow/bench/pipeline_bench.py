@@ -109,6 +109,7 @@ def run(cfg: PipelineBenchConfig, progress: Progress = lambda s: None) -> dict:
         raise KVFlowError("need --context >= --chunk, --query >= 1 and --repeats >= 1")
     name = cfg.model
     runner = load_model(name, seed=cfg.seed)
+    runner.check_context_len(cfg.context + cfg.query)      # before the profile sized by it
     C, L = cfg.chunk_tokens, runner.num_layers
     if cfg.split not in ("auto", "even"):
         parse_split(cfg.split, L)                 # a bad split is an error before anything is measured

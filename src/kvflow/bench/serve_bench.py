@@ -153,10 +153,14 @@ class ChatWorkload:
         if min(self.users, self.rounds, self.system_tokens, self.user_tokens, self.answer_tokens, self.docs,
                self.doc_tokens_min, self.tool_tokens) < 1:
             raise KVFlowError("users, rounds, docs and every token count must be >= 1")
+        if max(self.users, self.rounds, self.system_tokens, self.user_tokens, self.answer_tokens, self.docs,
+               self.doc_tokens_max, self.tool_tokens) > 10**7:
+            raise KVFlowError("users, rounds, docs and every token count must be at most 10,000,000")
         if self.doc_tokens_max < self.doc_tokens_min:
             raise KVFlowError("doc_tokens_max must be >= doc_tokens_min")
-        if self.rate <= 0 or self.think_s < 0:
-            raise KVFlowError("rate must be > 0 and think time >= 0")
+        if not (0 < self.rate <= 1e6 and 0 <= self.think_s <= 86400):       # nan and inf are typos here too
+            raise KVFlowError(f"rate must be in (0, 1e6] users/s and think time in [0, 86400] s, got {self.rate:g} "
+                              f"and {self.think_s:g}")
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from kvflow.cli.limits import seed_option
 from kvflow.cli.main import bench_app
 from kvflow.errors import KVFlowError
 
@@ -39,7 +40,7 @@ def bench_elastic(
     c_long_prompts: int = typer.Option(4, help="(c): long prompts per run"),
     c_base_blocks: int = typer.Option(0, help="(c): KV blocks of the fixed config (0: half the decoders' need)"),
     small_budget: int = typer.Option(512, help="(c): the smaller token budget"),
-    seed: int = typer.Option(0),
+    seed: int = seed_option(),
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/elastic-TIME)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from kvflow.cli.limits import seed_option
 from kvflow.cli.main import app
 
 console = Console(width=None if sys.stdout.isatty() else 160)  # full tables in logs too
@@ -96,7 +97,7 @@ def profile_cmd(
     max_position: int = typer.Option(8192, "--max-position", min=256, help="largest context position profiled"),
     repeats: int = typer.Option(3, min=1, help="timings per point (the fastest is kept)"),
     out: Optional[Path] = typer.Option(None, help="where to save the JSON (default ~/.cache/kvflow/profiles/)"),
-    seed: int = typer.Option(0, help="weight seed for presets"),
+    seed: int = seed_option("weight seed for presets"),
     dtype: Optional[str] = typer.Option(None, help="compute dtype (default: float32 on the CPU, the exact path — "
                                                    "bf16 is 3-7x slower there without AVX-512 — bfloat16 on CUDA)"),
     force: bool = typer.Option(False, "--force", help="re-profile even if a saved profile exists"),
@@ -112,6 +113,7 @@ def profile_cmd(
     if out is not None:
         writable_dir(out.parent, "--out")      # before the profiling run, not after it
     runner = load_model(model, seed=seed, dtype=dtype)
+    runner.check_context_len(max_position, copies=1)      # the profiled positions: one line, not an allocation failure
     path = out or default_profile_path(model, runner.fingerprint, torch.get_num_threads(), str(runner.device))
     if path.exists() and not force and (show or out is None):
         cost = CostModel.load(path)

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from kvflow.cli.limits import MAX_RHO, seed_option
 from kvflow.cli.main import bench_app
 from kvflow.errors import KVFlowError
 
@@ -34,6 +35,8 @@ def _rhos(text: str) -> list[float | None]:
             raise KVFlowError(f"bad --rho {text!r}: numbers or 'unthrottled', e.g. 1,unthrottled") from None
         if value <= 0:
             raise KVFlowError(f"bad --rho {text!r}: rho must be positive")
+        if not value <= MAX_RHO:              # nan and 1e400 (inf as a number) too: 'inf' is the word above
+            raise KVFlowError(f"bad --rho {text!r}: rho must be a number up to {MAX_RHO:g}, or 'unthrottled'")
         out.append(value)
     if not out:
         raise KVFlowError("--rho needs at least one value")
@@ -53,8 +56,8 @@ def bench_pipeline(
     threads: int = typer.Option(1, min=1, help="torch threads per stage process"),
     split: str = typer.Option("auto", help="layers per stage: auto (planner-balanced), even, or sizes like 9,7"),
     handoff: str = typer.Option("stage,step", help="sequential baseline hand-off: stage (all at once), step, or both"),
-    seed: int = typer.Option(0, help="weight seed"),
-    timeout: float = typer.Option(900.0, min=10, help="seconds before the stages are stopped"),
+    seed: int = seed_option("weight seed"),
+    timeout: float = typer.Option(900.0, min=10, max=7 * 86400, help="seconds before the stages are stopped"),
     as_json: bool = typer.Option(False, "--json", help="print the results as JSON instead of tables"),
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/pipeline-<timestamp>/)"),
 ) -> None:
@@ -62,6 +65,9 @@ def bench_pipeline(
     from kvflow.bench import pipeline_bench
     from kvflow.bench.common import out_dir, report
 
+    from kvflow.model.runner import max_threads
+    if threads > max_threads():            # 99999 OpenMP threads crash a stage process, not one line
+        raise KVFlowError(f"--threads must be 1..{max_threads()}, got {threads}")
     handoffs = [h.strip() for h in handoff.split(",") if h.strip()]
     if not handoffs or any(h not in ("stage", "step") for h in handoffs):
         raise KVFlowError(f"bad --handoff {handoff!r}: stage, step or stage,step")

@@ -163,7 +163,7 @@ def bench_pool(quick: bool = typer.Option(False, "--quick", help="small sizes, o
                out: Optional[Path] = typer.Option(None, help="output folder (default runs/pool-<timestamp>/)"),
                disk_dir: Optional[Path] = typer.Option(None, help="folder on the real disk for extent vs files "
                                                                   "(default $KVFLOW_BENCH_DISK or /var/tmp)"),
-               record_kib: int = typer.Option(256, help="record size for extent vs files"),
+               record_kib: int = typer.Option(256, min=1, max=65536, help="record size for extent vs files"),
                only: Optional[str] = typer.Option(None, help="comma-separated sections to run: striping, "
                                                              "passthrough, lookup, loops, mixed (default: all)"),
                loop_caps: str = typer.Option("1,1,2,4", help="loops: relative kernel caps, one per loop device"),

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvflow.cli.limits import MAX_RHO, seed_option
 from kvflow.cli.main import app, bench_app
 from kvflow.errors import KVFlowError
 
@@ -21,13 +22,16 @@ console = Console(width=None if sys.stdout.isatty() else 160)  # full tables in 
 err_console = Console(stderr=True)
 
 
-def parse_list(text: str, kind=float, name: str = "list") -> list:
+def parse_list(text: str, kind=float, name: str = "list", hi: float = math.inf) -> list:
+    """Comma-separated positive finite numbers, each at most ``hi``; one KVFlowError naming the option otherwise."""
     try:
         values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise KVFlowError(f"bad {name} {text!r}: expected comma-separated {kind.__name__}s") from None
     if not values or any(not math.isfinite(v) or v <= 0 for v in values):
         raise KVFlowError(f"bad {name} {text!r}: values must be positive finite numbers")
+    if any(v > hi for v in values):
+        raise KVFlowError(f"bad {name} {text!r}: values must be at most {hi:g}")
     return values
 
 
@@ -89,7 +93,7 @@ def demo(ctx: typer.Context,
          kv_share: float = typer.Option(0.25, help="resident KV budget as a share of the working set"),
          repeats: int = typer.Option(2, help="rounds over recompute and cacheflow, alternated ABBA... (medians)"),
          check: bool = typer.Option(True, help="replay user 0's conversation and compare its tokens with generate"),
-         seed: int = typer.Option(0),
+         seed: int = seed_option(),
          home: Path = typer.Option(Path(".kvflow"), help="where the demo's pools live (removed after each run)"),
          out: Optional[Path] = typer.Option(None, help="output folder (default runs/demo-TIME)"),
          as_json: bool = typer.Option(False, "--json", help="print the results as JSON")) -> None:
@@ -157,7 +161,9 @@ def demo_restore(
     model: str = typer.Option("qwen2.5-0.5b@layers=2", help="preset or checkpoint directory"),
     context_len: int = typer.Option(4096, "--context", min=256, help="context tokens to store and restore"),
     query_len: int = typer.Option(32, "--query", min=1, help="new tokens after the context"),
-    rho: float = typer.Option(1.0, min=0.01, help="I/O-to-compute ratio the pool is throttled to"),
+    rho: float = typer.Option(1.0, min=0.01, max=MAX_RHO, help="I/O-to-compute ratio the pool is throttled to "
+                                                             "(a finite number: the link runs at rho x the "
+                                                             "measured recompute rate)"),
     dtype: str = typer.Option("float32", help="KV storage dtype: float32 (exact), bfloat16 or float16 (half the "
                                               "bytes, not exact: the table shows by how much)"),
     out: Optional[Path] = typer.Option(None, help="where to write the timeline PNG and JSON"),
@@ -225,19 +231,21 @@ def bench_restore(
     from kvflow.bench import restore_bench as rb
     from kvflow.bench.common import out_dir, write_json
     from kvflow.model import load_model
+    from kvflow.pool.devices.throttle import MAX_LATENCY_S
     from kvflow.planner import STRATEGIES
 
     if quick:
         model, context_len, rhos, lengths, repeats, latency = "qwen2.5-0.5b@layers=2", 2048, "1,8", "512,2048", 1, ""
-    rho_list = parse_list(rhos, float, "--rho")
-    gbps_list = parse_list(gbps, float, "--gbps") if gbps else []
-    latencies = parse_list(latency, float, "--latency") if latency.strip() else []
+    rho_list = parse_list(rhos, float, "--rho", MAX_RHO)
+    gbps_list = parse_list(gbps, float, "--gbps", 1e5) if gbps else []
+    latencies = parse_list(latency, float, "--latency", MAX_LATENCY_S) if latency.strip() else []
     len_list = [int(x) for x in parse_list(lengths, int, "--lengths")]
-    batch_sizes = [int(x) for x in parse_list(batch, int, "--batch")] if batch else []
+    batch_sizes = [int(x) for x in parse_list(batch, int, "--batch", 256)] if batch else []
     folder = out_dir("bench-restore", out)
     status(f"building {model}")
     runner = load_model(model)
     longest = max([context_len, *len_list] + ([8192] if batch_sizes else []))
+    runner.check_context_len(longest + query_len)     # before any profile or allocation
     cost = ensure_cost(runner, longest)
     result: dict = {"model": model, "chunk_tokens": 256, "query": query_len, "repeats": repeats,
                     "threads": cost.threads, "profiled_recompute_rate_mib_s": cost.short_context_rate() / 2**20}
@@ -396,7 +404,7 @@ def bench_second_turn(
     repeats: int = typer.Option(3, min=1, help="interleaved repeats (median reported)"),
     chunk_tokens: Optional[int] = typer.Option(None, help="pool chunk (default: the serve default, 64)"),
     pool_dir: Optional[Path] = typer.Option(None, help="pool on disk under this folder (default: in memory)"),
-    seed: int = typer.Option(0),
+    seed: int = seed_option(),
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/second-turn-TIME)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -406,8 +414,8 @@ def bench_second_turn(
     from kvflow.model import load_model
     from kvflow.server.build import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL
 
-    if not 0 < rho <= 1000:
-        raise KVFlowError("--rho must be in (0, 1000]")
+    if not 0 < rho <= MAX_RHO:
+        raise KVFlowError(f"--rho must be in (0, {MAX_RHO:g}]")
     if chunk_tokens is not None and chunk_tokens < 1:
         raise KVFlowError("--chunk-tokens must be >= 1")
     model = model or DEFAULT_MODEL

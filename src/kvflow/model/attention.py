@@ -54,7 +54,7 @@ def prefix_plus_diagonal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, star
     o1, l1 = o1.reshape(1, hq, n, d), l1.reshape(1, hq, n)
     top = torch.maximum(l1, l2)
     w1, w2 = (l1 - top).exp_().unsqueeze(-1), (l2 - top).exp_().unsqueeze(-1)
-    return (o1 * w1 + o2 * w2) / (w1 + w2)
+    return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype)     # merged in fp32 (the log-sum-exps'), returned in q's
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

@@ -54,14 +54,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
 
 def parse_name(name: str) -> tuple[Preset, int | None]:
     """``"qwen2.5-0.5b@layers=4"`` -> (preset, 4). Raises ModelError for unknown names or bad suffixes."""
-    base, _, suffix = name.partition("@")
+    base, at, suffix = name.partition("@")
     preset = PRESETS.get(base)
     if preset is None:
         raise ModelError(f"unknown model {base!r}: use a preset ({', '.join(PRESETS)}) or a local checkpoint directory")
-    if not suffix:
+    if not at:
         return preset, None
     key, _, value = suffix.partition("=")
-    if key != "layers" or not value.isdigit() or int(value) < 1:
+    # ASCII digits only: str.isdigit() also takes '²' and '١', which int() refuses or reads as another number
+    if key != "layers" or not value.isascii() or not value.isdigit() or int(value) < 1:
         raise ModelError(f"bad model suffix {suffix!r} in {name!r}: expected @layers=N with N >= 1")
     layers = int(value)
     if layers > preset.config["num_hidden_layers"]:
