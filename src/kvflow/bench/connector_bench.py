@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm_server import VLLMServer, connector_config, vllm_python
+from kvflow.integrations.vllm_server import ConnectorProfile, VLLMServer, connector_config, vllm_venv
 
 CONFIGS = ("kvflow-disk", "kvflow-striped", "example", "recompute")
 
@@ -68,8 +68,8 @@ def run(model: str = "qwen2.5-0.5b@layers=4", lengths=(4096, 8192), repeats: int
     from kvflow import load_model
     from kvflow.bench.common import odirect_supported
 
-    python = vllm_python()
-    if python is None:
+    venv = vllm_venv(with_kvflow=True)
+    if venv is None:
         raise ConfigError("vLLM venv with kvflow missing: run `make vllm-kvflow`")
     disk_root = Path(disk_dir or os.environ.get("KVFLOW_BENCH_DISK") or "/var/tmp")
     if not disk_root.is_dir():
@@ -96,8 +96,8 @@ def run(model: str = "qwen2.5-0.5b@layers=4", lengths=(4096, 8192), repeats: int
         transfer["recompute"] = None
         for name in CONFIGS:
             log(f"starting vLLM ({name}) ...")
-            servers[name] = VLLMServer(python, folder / "ckpt", folder / f"{name}.log", kv_transfer=transfer[name],
-                                       **common)
+            profile = ConnectorProfile(kv_transfer=transfer[name], **common)
+            servers[name] = VLLMServer(venv, folder / "ckpt", profile, folder / f"{name}.log")
             servers[name].start()
         results = {"model": model, "fingerprint": runner.fingerprint, "block_size": block, "chunk_tokens": chunk,
                    "repeats": repeats, "disk": str(disk_root), "cpus": cpus, "rows": []}

@@ -12,7 +12,7 @@
                   throttled to a 10 Gbps link (1.25 GB/s), and throttled to rho = 1 (the link moves the context's
                   KV in the time recompute takes, measured just before). Exactness is checked on every restore.
 
-Without ``--url`` the bench starts a 3-master cluster on loopback in a temporary directory (``redis_local.py``)
+Without ``--url`` the bench starts a 3-master cluster on loopback in a temporary directory (``pool/redis_local.py``)
 and always tears it down; with ``--url`` it uses that store (its keys under a fresh prefix, deleted after).
 """
 
@@ -188,7 +188,7 @@ def second_engine(url: str, cluster: bool, model: str, tokens: int, query_len: i
 # -- the run ---------------------------------------------------------------------------------------------------
 def run(*, url: str | None, cluster: bool, quick: bool, disk_dir: str | None, model: str, tokens: int | None,
         caps: list[float], sections: set[str], progress: Progress, command: str | None = None) -> dict:
-    from kvflow.bench.redis_local import RedisProcs
+    from kvflow.pool.redis_local import RedisProcs
 
     disk_dir = disk_dir or os.environ.get("KVFLOW_BENCH_DISK") or "/var/tmp"
     repeats = 1 if quick else 3

@@ -168,8 +168,9 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
             raise KVFlowError("--rho must be in (0, 1000]")
         venv = None
         if peer is not None:
-            from kvflow.bench.peer import NOT_INSTALLED, find_venv
-            venv = find_venv(peer_venv)
+            from kvflow.bench.peer import NOT_INSTALLED
+            from kvflow.integrations.vllm_server import vllm_venv
+            venv = vllm_venv(peer_venv)
             if venv is None:
                 typer.echo(f"note: {NOT_INSTALLED}" + (f" (no vLLM in {peer_venv})" if peer_venv else ""),
                            err=True)
@@ -206,8 +207,9 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                 rounds_of[peer] = []
                 results["peer"] = {"name": peer, "venv": str(venv), "command": vllm.command(),
                                    "env": {k: v for k, v in vllm.env().items() if k.startswith("VLLM_")},
-                                   "block_size": vllm.peer_block_size, "num_blocks": vllm.num_blocks,
-                                   "kv_budget_tokens": vllm.max_model_len}
+                                   "block_size": vllm.profile.peer_block_size,
+                                   "num_blocks": vllm.profile.num_blocks,
+                                   "kv_budget_tokens": vllm.profile.max_model_len}
             for _ in range(repeats):                  # configurations alternate: a shared machine drifts
                 for name in names:
                     strategy, policy = parts(name)
