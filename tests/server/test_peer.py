@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.bench.peer import NOT_INSTALLED
-from kvflow.bench.serve_bench import chat_ids
+from kvflow.demo.chat import chat_ids
 from kvflow.cli.main import main
 from kvflow.engine.tokenizer import ByteTokenizer
 from kvflow.errors import KVFlowError

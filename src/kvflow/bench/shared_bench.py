@@ -31,17 +31,15 @@ from typing import Callable
 
 import torch
 
-from kvflow.bench.common import odirect_supported, save_figure
+from kvflow.report import save_figure
+from kvflow.pool.devices import odirect_supported
 from kvflow.bench.pool_bench import synthetic_context, timed_get
 from kvflow.pool import KVPool
+from kvflow.stats import median_of
 
 MiB = 1 << 20
 LINK_10G = 1.25e9
 Progress = Callable[[str], None]
-
-
-def _median(fn, repeats: int) -> float:
-    return statistics.median(fn() for _ in range(max(1, repeats)))
 
 
 def _remote(url: str, cluster: bool, prefix: str, **extra) -> dict:
@@ -96,14 +94,14 @@ def aggregate(url: str, cluster: bool, disk_dir: str, data_bytes: int, record_by
                 pool.put_many(data)
                 timed_get(pool, keys)                                   # warm: connections, page mappings
                 progress(f"aggregate ({label}): striped read")
-                t_all = _median(lambda: timed_get(pool, keys), repeats)
+                t_all = median_of(lambda: timed_get(pool, keys), repeats)
                 dev_of = {d: dev for d, dev, *_ in pool.entries()}
                 share, alone = [], []
                 for i, name in enumerate(names):
                     mine = [k for k in keys if dev_of[k.digest] == i]
                     share.append(sum(data[k].numel() * 4 for k in mine) / moved)
                     progress(f"aggregate ({label}): {name} alone")
-                    alone.append(sum(data[k].numel() * 4 for k in mine) / _median(lambda: timed_get(pool, mine),
+                    alone.append(sum(data[k].numel() * 4 for k in mine) / median_of(lambda: timed_get(pool, mine),
                                                                                      repeats) if mine else 0.0)
         finally:
             _clear(url, cluster, prefix)

@@ -4,7 +4,6 @@ with every strategy), `kvflow bench restore` and `kvflow bench second-turn`."""
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -16,19 +15,10 @@ from rich.table import Table
 
 from kvflow.cli.main import app, bench_app
 from kvflow.errors import KVFlowError
+from kvflow.stats import comma_list
 
 console = Console(width=None if sys.stdout.isatty() else 160)  # full tables in logs too
 err_console = Console(stderr=True)
-
-
-def parse_list(text: str, kind=float, name: str = "list") -> list:
-    try:
-        values = [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KVFlowError(f"bad {name} {text!r}: expected comma-separated {kind.__name__}s") from None
-    if not values or any(not math.isfinite(v) or v <= 0 for v in values):
-        raise KVFlowError(f"bad {name} {text!r}: values must be positive finite numbers")
-    return values
 
 
 def ensure_cost(runner, max_position: int):
@@ -98,9 +88,9 @@ def demo(ctx: typer.Context,
         return
     import time
 
-    from kvflow.bench.common import out_dir, print_table, save_figure, write_json
-    from kvflow.bench.demo import STRATEGIES, elapsed, run_demo
-    from kvflow.bench.serve_bench import ChatWorkload, draw_cdf
+    from kvflow.report import out_dir, print_table, save_figure, write_json
+    from kvflow.demo.chat import ChatWorkload, draw_cdf
+    from kvflow.demo.run import STRATEGIES, elapsed, run_demo
     from kvflow.cli.model_cmds import progress_bar
     from kvflow.model import load_model
     from kvflow.server.build import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL
@@ -164,7 +154,7 @@ def demo_restore(
     as_json: bool = typer.Option(False, "--json", help="print the results as JSON"),
 ) -> None:
     """Store a long context, restore it with every strategy at rho, compare with a fresh full prefill."""
-    from kvflow.bench.common import out_dir, write_json
+    from kvflow.report import out_dir, write_json
     from kvflow.bench.restore_bench import make_bench, measure, public
     from kvflow.executor import plot_timeline
     from kvflow.model import load_model
@@ -223,17 +213,17 @@ def bench_restore(
 ) -> None:
     """TTFT of every strategy vs rho and context length (+ batches); ratios measured side by side."""
     from kvflow.bench import restore_bench as rb
-    from kvflow.bench.common import out_dir, write_json
+    from kvflow.report import out_dir, write_json
     from kvflow.model import load_model
     from kvflow.planner import STRATEGIES
 
     if quick:
         model, context_len, rhos, lengths, repeats, latency = "qwen2.5-0.5b@layers=2", 2048, "1,8", "512,2048", 1, ""
-    rho_list = parse_list(rhos, float, "--rho")
-    gbps_list = parse_list(gbps, float, "--gbps") if gbps else []
-    latencies = parse_list(latency, float, "--latency") if latency.strip() else []
-    len_list = [int(x) for x in parse_list(lengths, int, "--lengths")]
-    batch_sizes = [int(x) for x in parse_list(batch, int, "--batch")] if batch else []
+    rho_list = comma_list(rhos, float, "--rho")
+    gbps_list = comma_list(gbps, float, "--gbps") if gbps else []
+    latencies = comma_list(latency, float, "--latency") if latency.strip() else []
+    len_list = comma_list(lengths, int, "--lengths")
+    batch_sizes = comma_list(batch, int, "--batch") if batch else []
     folder = out_dir("bench-restore", out)
     status(f"building {model}")
     runner = load_model(model)
@@ -401,7 +391,7 @@ def bench_second_turn(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Second turn of a chat whose long history was evicted: recompute vs cacheflow TTFT over a link at rho."""
-    from kvflow.bench.common import out_dir, print_table, save_figure, write_json
+    from kvflow.report import out_dir, print_table, save_figure, write_json
     from kvflow.bench.second_turn import run_second_turn
     from kvflow.model import load_model
     from kvflow.server.build import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL

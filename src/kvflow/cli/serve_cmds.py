@@ -56,7 +56,7 @@ def bench_decode(model: str = typer.Option("tiny", help="preset or checkpoint di
                  as_json: bool = typer.Option(False, "--json")) -> None:
     """Batched decode: N sequences in one engine vs the same N one at a time (tokens/s ratio)."""
     from kvflow import load_model
-    from kvflow.bench.common import out_dir, report
+    from kvflow.report import out_dir, report
     from kvflow.bench.serve_bench import batched_decode
 
     if min(sequences, prompt_len, max_tokens) < 2 or repeats < 1:
@@ -113,11 +113,10 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
     import contextlib
     from functools import partial
 
-    from kvflow.bench.common import out_dir, report, save_figure
-    from kvflow.bench.server_process import ServerProcess, engine_for
-    from kvflow.bench.serve_bench import (ChatWorkload, draw_cdf, prompts_digest,
-                                          records_json, longest_history_tokens, median_summary, result_row,
-                                          run_chat, summarize, working_set_tokens)
+    from kvflow.report import out_dir, report, save_figure
+    from kvflow.demo.chat import (ChatWorkload, draw_cdf, prompts_digest, records_json, longest_history_tokens,
+                                  median_summary, result_row, run_chat, summarize, working_set_tokens)
+    from kvflow.server.process import ServerProcess, engine_for
 
     w = ChatWorkload.of(workload, users=users, rounds=rounds, rate=rate, system_tokens=system_tokens,
                         user_tokens=user_tokens, answer_tokens=answer_tokens, think_s=think, docs=docs,
@@ -276,9 +275,10 @@ def bench_soak(url: Optional[str] = typer.Option(None, help="an OpenAI-compatibl
     """Valid clients + a bad-input barrage for DURATION: errors on valid requests, 4xx on bad ones, RSS growth."""
     import asyncio
 
-    from kvflow.bench.common import out_dir, report
-    from kvflow.bench.server_process import ServerProcess
-    from kvflow.bench.serve_bench import rss_bytes, run_soak
+    from kvflow.report import out_dir, report
+    from kvflow.bench.serve_bench import run_soak
+    from kvflow.server.process import ServerProcess
+    from kvflow.stats import rss_bytes
 
     if clients < 1 or duration <= 0:
         raise KVFlowError("--clients must be >= 1 and --duration > 0")

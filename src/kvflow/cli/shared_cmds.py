@@ -31,7 +31,7 @@ def bench_shared(quick: bool = typer.Option(False, "--quick", help="small sizes,
     """Memory + disk + cluster striped vs the sum of each alone (own speed and capped), and the TTFT of a second
     engine restoring a context another process stored, vs recompute (loopback and a 10 Gbps link)."""
     from kvflow.bench import shared_bench
-    from kvflow.bench.common import out_dir, report
+    from kvflow.report import out_dir, report
     from kvflow.pool.redis_local import redis_available
 
     if disk_dir is not None and not disk_dir.is_dir():
