@@ -24,7 +24,7 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvflow demo
 
-# The remote-tier tests start their own Redis servers (tests/remote/redis_procs.py): Debian's redis-server, installed
+# The remote-tier tests start their own Redis servers (kvflow/pool/redis_local.py): Debian's redis-server, installed
 # here when missing (the system service is not used); without it those tests skip and say why.
 redis:
 	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \

@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 from kvflow import KVPool, Restorer
-from kvflow.bench.common import odirect_supported
+from kvflow.pool.devices import odirect_supported
 from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.engine.helpers import hf_greedy, ids, synthetic_cost
 

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from kvflow.chunks.keys import chunk_keys, layer_groups
-from kvflow.integrations.vllm_server import VLLMServer, connector_config, vllm_python
+from kvflow.integrations.vllm_server import ConnectorProfile, VLLMServer, connector_config, vllm_venv
 from tests.pool.helpers import flip_byte
 
-PY = vllm_python()
+PY = vllm_venv(with_kvflow=True)
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(PY is None, reason="vLLM venv with kvflow missing: run `make vllm-kvflow`"),
               pytest.mark.skipif(os.environ.get("KVFLOW_TEST_VLLM") != "1",
@@ -132,7 +132,8 @@ class TestConnector:
         config = pool_yaml(d, "pool")
         with KVPool.open(config) as pool:     # a context kvflow stored before vLLM ever ran
             Restorer(runner, pool, cost=synthetic_cost(runner)).store(torch.tensor(prompt(2600, 99)))
-        server = VLLMServer(PY, d / "ckpt", d / "vllm.log", kv_transfer=connector_config({"config": config}))
+        server = VLLMServer(PY, d / "ckpt", ConnectorProfile(kv_transfer=connector_config({"config": config})),
+                            d / "vllm.log")
         with server:
             view = Pool(config, runner)
             yield server, view
@@ -196,8 +197,8 @@ def test_a_wrong_block_layout_stores_wrong_records_and_changes_the_output(model)
     d, runner = model
     config = pool_yaml(d, "wrong")
     wrong = "k-plain" if PROBED.get("k_transposed", True) else "k-transposed"
-    with VLLMServer(PY, d / "ckpt", d / "vllm-wrong.log",
-                    kv_transfer=connector_config({"config": config, "layout": wrong})) as server:
+    profile = ConnectorProfile(kv_transfer=connector_config({"config": config, "layout": wrong}))
+    with VLLMServer(PY, d / "ckpt", profile, d / "vllm-wrong.log") as server:
         p = prompt(LENGTHS[0], 0)
         cold = server.complete(p, OUT, cold=True)
         pool = Pool(config, runner)

@@ -8,6 +8,7 @@ import random
 import torch
 
 from kvflow.chunks.keys import ChunkKey, chunk_keys
+from kvflow.pool.devices import odirect_supported  # noqa: F401  (the device tests import it from here)
 
 FP = "0123456789abcdef" * 2
 
@@ -23,17 +24,6 @@ def tensor_for(key: ChunkKey, numel: int = 512) -> torch.Tensor:
     """The record content of ``key``: a reproducible function of its digest, so any process can check it."""
     g = torch.Generator().manual_seed(int.from_bytes(key.digest[:8], "little") & (2**63 - 1))
     return torch.randn(2, numel // 2, generator=g)
-
-
-def odirect_supported(folder) -> bool:
-    path = os.path.join(folder, ".odirect-probe")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(path)
-    return True
 
 
 def device_cfg(tmp_path, kind: str, capacity: int = 8 << 20, **extra) -> dict:

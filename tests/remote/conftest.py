@@ -3,7 +3,7 @@ the module that uses them and always torn down. Every test here skips (with the 
 
 import pytest
 
-from tests.remote.redis_procs import RedisProcs, redis_available
+from kvflow.pool.redis_local import RedisProcs, redis_available
 
 
 def _start(**kw) -> RedisProcs:

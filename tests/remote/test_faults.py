@@ -15,7 +15,7 @@ from kvflow.errors import ConfigError
 from kvflow.pool import pool as pool_module
 from kvflow.pool.devices.remote import RemoteDevice
 from tests.remote.helpers import context, remote_cfg, remote_slot
-from tests.remote.redis_procs import RedisProcs, redis_available
+from kvflow.pool.redis_local import RedisProcs, redis_available
 from tests.remote.slow_proxy import SlowProxy
 from tests.restore.test_restore_exactness import assert_exact, ids, synthetic_cost
 

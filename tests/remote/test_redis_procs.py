@@ -2,7 +2,7 @@
 
 import os
 
-from tests.remote.redis_procs import RedisProcs, redis_available
+from kvflow.pool.redis_local import RedisProcs, redis_available
 import pytest
 
 

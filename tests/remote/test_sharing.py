@@ -3,8 +3,6 @@ devices and no index of the first — finds and restores, and its output equals 
 answer. Keys are content addresses, so nothing but the store is shared."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -18,7 +16,8 @@ import torch
 from kvflow import KVPool, Restorer
 from tests.remote.helpers import remote_cfg
 from tests.restore.test_restore_exactness import assert_exact, ids, synthetic_cost
-from tests.server.test_uvicorn import free_port, wait_healthy
+from kvflow.net import free_port
+from tests.server.helpers import kvflow_serve
 
 ROOT = str(Path(__file__).resolve().parents[2])
 C = 32
@@ -57,13 +56,6 @@ def test_a_second_process_restores_what_the_first_stored_on_the_cluster_exactly(
             cluster._cli("flushall", port=p)
 
 
-def _serve(cfg_path: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "KVFLOW_TORCH_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "kvflow", "serve", "--model", "tiny", "--config", str(cfg_path),
-                             "--port", str(port), "--log-level", "warning"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env=env, start_new_session=True, cwd=ROOT)
-
-
 def _metric(port: int, name: str) -> float:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name) and "_created" not in line)
@@ -74,12 +66,12 @@ def test_two_kvflow_serve_processes_share_a_long_context_through_the_cluster(clu
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(json.dumps({"engine": {"kv_budget": "4M", "block_size": 8}, "pool": pool}))   # JSON is YAML
     ports = [free_port(), free_port()]
-    procs = [_serve(cfg, p) for p in ports]
+    procs = [kvflow_serve(cfg, p, tmp_path / f"serve-{p}.log").spawn() for p in ports]
     prompt = ids(8 * C + 3, 41).tolist()
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
     try:
-        for p, proc in zip(ports, procs):
-            wait_healthy(p, timeout=180, proc=proc)
+        for proc in procs:
+            proc.wait_ready(180)
         first = httpx.post(f"http://127.0.0.1:{ports[0]}/v1/completions", json=body, timeout=120).json()
         deadline, seen = time.monotonic() + 60, -1
         while time.monotonic() < deadline:        # the first engine's pool tier writes after the answer
@@ -94,8 +86,6 @@ def test_two_kvflow_serve_processes_share_a_long_context_through_the_cluster(clu
         assert _metric(ports[1], "kvflow_pool_restores") == 1          # the second engine restored, not prefilled
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            proc.kill()
         for p in cluster.live:
             cluster._cli("flushall", port=p)

@@ -1,14 +1,36 @@
 import asyncio
 import contextlib
 import json
+import os
+import sys
+import time
+from pathlib import Path
 
 import httpx
 
 from kvflow.engine import EngineConfig, LLMEngine
 from kvflow.engine.tokenizer import ByteTokenizer
 from kvflow.server import build_app
+from kvflow.supervisor import Supervised, http_ready
 
 MODEL = "tiny"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kvflow_serve(cfg_path: Path, port: int, log_path: Path) -> Supervised:
+    """`kvflow serve --model tiny --config CFG` on ``port``, not started: a Supervised process, ready on /health."""
+    return Supervised([sys.executable, "-m", "kvflow", "serve", "--model", MODEL, "--config", str(cfg_path),
+                       "--port", str(port), "--log-level", "warning"], log_path=log_path, cwd=ROOT,
+                      env={**os.environ, "KVFLOW_TORCH_THREADS": "1"}, name="kvflow serve", poll_s=0.1,
+                      ready=http_ready(f"http://127.0.0.1:{port}/health", timeout_s=1))
+
+
+def wait_healthy(port: int, timeout: float = 90.0) -> None:
+    """Until a server in this process (a uvicorn thread) answers /health."""
+    ready, deadline = http_ready(f"http://127.0.0.1:{port}/health", timeout_s=1), time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.1)
 
 
 def make_app(runner, restorer=None, api_key=None, **cfg):

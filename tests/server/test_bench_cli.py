@@ -79,7 +79,7 @@ def test_bench_serve_document_qa_and_agent_workloads_reuse_their_shared_prefixes
 
 
 def test_the_chat_workload_defaults_to_vllms_multi_turn_shape_and_the_others_keep_theirs():
-    from kvflow.bench.serve_bench import CHAT_SHAPE, ChatWorkload
+    from kvflow.demo.chat import CHAT_SHAPE, ChatWorkload
     chat = ChatWorkload.of("chat", users=8, rounds=None, think_s=None)
     assert (chat.rounds, chat.system_tokens, chat.user_tokens, chat.answer_tokens, chat.think_s) == (
         CHAT_SHAPE["rounds"], 1024, 128, 96, 2.0)

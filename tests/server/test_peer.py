@@ -11,19 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.bench.peer import NOT_INSTALLED, VLLMPeer, find_venv
-from kvflow.bench.serve_bench import chat_ids
+from kvflow.bench.peer import NOT_INSTALLED
+from kvflow.demo.chat import chat_ids
 from kvflow.cli.main import main
 from kvflow.engine.tokenizer import ByteTokenizer
 from kvflow.errors import KVFlowError
+from kvflow.integrations.vllm_server import PeerProfile, VLLMServer, vllm_venv as find_venv
 
 
-def peer(tmp_path, kv_tokens=1696, kv_bytes_per_token=2048, block_size=16, **kw) -> VLLMPeer:
+def peer(tmp_path, kv_tokens=1696, kv_bytes_per_token=2048, block_size=16, **kw) -> VLLMServer:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir(exist_ok=True)
     (ckpt / "config.json").write_text("{}")
-    return VLLMPeer(tmp_path / "venv", ckpt, "tiny", kv_tokens, kv_bytes_per_token, block_size, 512, 41234,
-                    log_path=tmp_path / "vllm.log", **kw)
+    return VLLMServer(tmp_path / "venv", ckpt, PeerProfile("tiny", kv_tokens, kv_bytes_per_token, block_size, 512, **kw),
+                      tmp_path / "vllm.log", port=41234)
 
 
 def flag(cmd: list[str], name: str) -> str:
@@ -137,13 +138,17 @@ FAKE_SERVER = textwrap.dedent("""
 """)
 
 
-class StandIn(VLLMPeer):
-    __slots__ = ("mode", "pgid")
+class StandIn(VLLMServer):
+    mode = "serve"
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc is not None:
-            self.pgid = self.proc.pid                                  # its own session: group id = its pid
-        super().stop(grace_s)
+    @property
+    def pgid(self) -> int:
+        return self.stopped.pid                                        # its own session: group id = its pid
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.stopped = self.process
+        super().stop()
 
     def command(self) -> list[str]:
         script = self.log_path.parent / "fake_server.py"
@@ -153,7 +158,7 @@ class StandIn(VLLMPeer):
 
 def stand_in(tmp_path, mode: str) -> StandIn:
     from kvflow.net import free_port
-    p = StandIn(tmp_path, tmp_path, "tiny", 64, 2048, 16, 512, free_port(), log_path=tmp_path / "vllm.log")
+    p = StandIn(tmp_path, tmp_path, PeerProfile("tiny", 64, 2048, 16, 512), tmp_path / "vllm.log", port=free_port())
     p.mode = mode
     return p
 
@@ -187,7 +192,7 @@ def test_stopping_the_peer_kills_its_whole_process_group(tmp_path):
     server, child = pids(tmp_path)
     assert os.getpgid(server) == server == os.getpgid(child) != os.getpgid(0)      # its own group
     p.stop()
-    assert not alive(server) and not alive(child) and p.proc is None and group_gone(p.pgid)
+    assert not alive(server) and not alive(child) and p.process is None and group_gone(p.pgid)
     p.stop()                                                           # stopping twice is harmless
 
 

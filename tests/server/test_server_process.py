@@ -1,4 +1,4 @@
-"""Benchmark servers run in processes of their own (bench/server_process.py): not the client's GIL, its stats come
+"""Benchmark servers run in processes of their own (server/process.py): not the client's GIL, its stats come
 back over the pipe, a build that fails is one error with the child's reason, nothing is left running."""
 
 import os
@@ -7,7 +7,7 @@ from functools import partial
 import httpx
 import pytest
 
-from kvflow.bench.server_process import ServerProcess, engine_for
+from kvflow.server.process import ServerProcess, engine_for
 from kvflow.errors import KVFlowError
 
 ENGINE = dict(strategy=None, kv_budget=4 << 20, block_size=16, pool_bytes=8 << 20, chunk_tokens=16,

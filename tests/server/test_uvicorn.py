@@ -2,12 +2,8 @@
 with generate, and shutdown drains the running request and flushes the pool's write queue; `kvflow serve` starts
 and stops on SIGINT."""
 
-import os
 import signal
-import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import openai
@@ -16,20 +12,7 @@ import uvicorn
 from kvflow import KVPool, Restorer
 from kvflow.net import free_port
 from tests.engine.helpers import hf_greedy, ids, synthetic_cost
-from tests.server.helpers import MODEL, make_app
-
-
-def wait_healthy(port: int, timeout: float = 90.0, proc=None) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stderr.read().decode()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise AssertionError("server did not come up")
+from tests.server.helpers import MODEL, kvflow_serve, make_app, wait_healthy
 
 
 def test_openai_client_against_uvicorn_then_shutdown_flushes_pool_writes(tiny):
@@ -68,18 +51,9 @@ def test_kvflow_serve_starts_answers_and_stops_on_sigint(tmp_path):
     port = free_port()
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("engine:\n  kv_budget: 4M\n  block_size: 8\n")
-    env = {**os.environ, "KVFLOW_TORCH_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvflow", "serve", "--model", MODEL, "--config", str(cfg),
-                             "--port", str(port), "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
-    try:
-        wait_healthy(port, proc=proc)
+    with kvflow_serve(cfg, port, tmp_path / "serve.log").start(timeout_s=90) as server:
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(timeout=60) == 0

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from kvflow.errors import ConfigError
-from kvflow.integrations.vllm_server import VLLMServer, connector_config, vllm_python
+from kvflow.integrations.vllm_server import ConnectorProfile, VLLMServer, connector_config, vllm_venv
+from kvflow.stats import fadvise_out
 
 CONFIGS = ("kvflow-disk", "kvflow-striped", "example", "recompute")
 
@@ -36,18 +37,6 @@ def _pool_yaml(folder: Path, disk: Path, name: str, striped: bool, chunk: int, g
     path.write_text(f"pool:\n  chunk_tokens: {chunk}\n  durability: relaxed\n  index_dir: {disk / name}-index\n"
                     f"  devices:\n{devices}")
     return path
-
-
-def _drop_files(folder: Path) -> None:
-    """fadvise(DONTNEED) every file under ``folder``: the next read comes from the disk (only these files)."""
-    for p in folder.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _wait_stored(config: Path, runner, tokens: list[int], chunk: int, timeout: float = 600.0) -> None:
@@ -66,10 +55,10 @@ def _wait_stored(config: Path, runner, tokens: list[int], chunk: int, timeout: f
 def run(model: str = "qwen2.5-0.5b@layers=4", lengths=(4096, 8192), repeats: int = 3, disk_dir: Path | None = None,
         block: int = 128, chunk: int = 128, cpus: str = "0-1", log=print) -> dict:
     from kvflow import load_model
-    from kvflow.bench.common import odirect_supported
+    from kvflow.pool.devices import odirect_supported
 
-    python = vllm_python()
-    if python is None:
+    venv = vllm_venv(with_kvflow=True)
+    if venv is None:
         raise ConfigError("vLLM venv with kvflow missing: run `make vllm-kvflow`")
     disk_root = Path(disk_dir or os.environ.get("KVFLOW_BENCH_DISK") or "/var/tmp")
     if not disk_root.is_dir():
@@ -96,8 +85,8 @@ def run(model: str = "qwen2.5-0.5b@layers=4", lengths=(4096, 8192), repeats: int
         transfer["recompute"] = None
         for name in CONFIGS:
             log(f"starting vLLM ({name}) ...")
-            servers[name] = VLLMServer(python, folder / "ckpt", folder / f"{name}.log", kv_transfer=transfer[name],
-                                       **common)
+            profile = ConnectorProfile(kv_transfer=transfer[name], **common)
+            servers[name] = VLLMServer(venv, folder / "ckpt", profile, folder / f"{name}.log")
             servers[name].start()
         results = {"model": model, "fingerprint": runner.fingerprint, "block_size": block, "chunk_tokens": chunk,
                    "repeats": repeats, "disk": str(disk_root), "cpus": cpus, "rows": []}
@@ -113,7 +102,7 @@ def run(model: str = "qwen2.5-0.5b@layers=4", lengths=(4096, 8192), repeats: int
                 order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
                 for name in order:
                     if name == "example":
-                        _drop_files(disk / "example")
+                        fadvise_out(disk / "example")
                     times[name].append(servers[name].timed(prompt))
                 log(f"{n} tokens, round {r + 1}/{repeats}: " +
                     ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()))
@@ -136,7 +125,7 @@ def run(model: str = "qwen2.5-0.5b@layers=4", lengths=(4096, 8192), repeats: int
 
 
 def draw(results: dict, path: Path) -> Path:
-    from kvflow.bench.common import save_figure
+    from kvflow.report import save_figure
     lengths = sorted({r["tokens"] for r in results["rows"]})
 
     def panel(axes):

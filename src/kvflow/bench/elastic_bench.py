@@ -41,9 +41,9 @@ from kvflow.engine.elastic import activation_reserve
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.engine.reserve import hold_to_live_set, release_freed_memory
 from kvflow.errors import ConfigError
+from kvflow.stats import percentile, rss_bytes
 
 Progress = Callable[[str], None]
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 OPEN_DECODE = 4096            # (a): decoders' max_tokens (they are aborted once the long prompts are done)
 SEQS = 64                     # max_num_seqs of every engine here
 
@@ -84,12 +84,12 @@ class RssSampler:
     """Peak resident memory of this process while running, sampled from /proc/self/statm every ``period`` s."""
 
     def __init__(self, period: float = 0.002):
-        self.period, self.peak, self._stop = period, rss(), threading.Event()
+        self.period, self.peak, self._stop = period, rss_bytes(), threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvflow-rss")
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
-            self.peak = max(self.peak, rss())
+            self.peak = max(self.peak, rss_bytes())
 
     def __enter__(self) -> RssSampler:
         self._thread.start()
@@ -98,12 +98,7 @@ class RssSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, rss())
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
+        self.peak = max(self.peak, rss_bytes())
 
 
 def _prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -117,7 +112,7 @@ def run_mixed(runner, cfg: EngineConfig, w: ElasticWorkload, *, decoders: int, d
     gc.collect()
     release_freed_memory()                    # glibc hands freed memory back, so ``before`` is not inflated
     vocab = runner.config.vocab_size
-    before = rss()
+    before = rss_bytes()
     with RssSampler() as sampler:
         engine = LLMEngine(runner, cfg)
         try:
@@ -269,7 +264,7 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
 
     # (d) take-back latency over every elastic run
     lat = sorted(s for x in runs if x["elastic"] for s in x["takeback_s"])
-    takeback = {"n": len(lat), "p50_ms": _pct(lat, 50) * 1e3, "p99_ms": _pct(lat, 99) * 1e3,
+    takeback = {"n": len(lat), "p50_ms": percentile(lat, 50, empty=0.0) * 1e3, "p99_ms": percentile(lat, 99, empty=0.0) * 1e3,
                 "max_ms": (lat[-1] * 1e3) if lat else 0.0,
                 "blocks_moved": sum(x["blocks_moved"] for x in runs if x["elastic"]),
                 "preempted": sum(x["takeback_preempted"] for x in runs if x["elastic"]),
@@ -282,12 +277,6 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
             "capacity": c_rows, "takeback": takeback,
             "all_within_budget": all(x["within_budget"] for x in runs), "runs": runs,
             "load_average": os.getloadavg()}
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    return float(torch.quantile(torch.tensor(xs, dtype=torch.float64), q / 100).item())
 
 
 def draw(results: dict) -> Callable[[list], None]:

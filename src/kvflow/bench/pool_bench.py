@@ -25,10 +25,11 @@ from typing import Callable
 
 import torch
 
-from kvflow.bench.common import odirect_supported
+from kvflow.pool.devices import odirect_supported
 from kvflow.bench.pool_loop import LoopOptions, kernel_capped_loops, mixed
 from kvflow.chunks.keys import chunk_keys, layer_groups
 from kvflow.pool import KVPool
+from kvflow.stats import drop_page_cache, median_of
 
 MiB, GiB = 1 << 20, 1 << 30
 FP = "b0" * 16
@@ -52,10 +53,6 @@ def timed_get(pool: KVPool, keys) -> float:
     return took
 
 
-def median_time(fn, repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
-
-
 # -- 1. striping over throttled heterogeneous devices -------------------------------------------------------
 def striping(total_bw: float, weights, data_bytes: int, record_bytes: int, repeats: int, progress: Progress) -> dict:
     n = data_bytes // record_bytes
@@ -73,8 +70,8 @@ def striping(total_bw: float, weights, data_bytes: int, record_bytes: int, repea
         with KVPool.open(cfg) as pool:
             pool.put_many(data)
             pool.set_throttle(total_bw)          # writes ran unthrottled; every read below is capped
-            t_all = median_time(lambda: timed_get(pool, keys), repeats)
-            t_suffix = median_time(lambda: timed_get(pool, suffix), repeats)
+            t_all = median_of(lambda: timed_get(pool, keys), repeats)
+            t_suffix = median_of(lambda: timed_get(pool, suffix), repeats)
             share = [d["records"] / len(keys) for d in pool.stats()["devices"]]
             row = {"read_bw": moved / t_all, "suffix_bw": suffix_moved / t_suffix, "share": share}
             if placement == "bandwidth":
@@ -83,7 +80,7 @@ def striping(total_bw: float, weights, data_bytes: int, record_bytes: int, repea
                 for i in range(len(bws)):
                     mine = [k for k in keys if dev_of[k.digest] == i]
                     progress(f"striping: device {i} alone")
-                    alone.append(sum(data[k].numel() * 4 for k in mine) / median_time(lambda: timed_get(pool, mine),
+                    alone.append(sum(data[k].numel() * 4 for k in mine) / median_of(lambda: timed_get(pool, mine),
                                                                                        repeats))
                 out["individual_bw"] = alone
                 out["sum_individual"] = sum(alone)
@@ -95,19 +92,6 @@ def striping(total_bw: float, weights, data_bytes: int, record_bytes: int, repea
 
 
 # -- 2. passthrough vs files on the real disk ---------------------------------------------------------------
-def drop_page_cache(allowed: bool = True) -> str:
-    """Drop the kernel page cache if allowed (root); otherwise the files device fadvises DONTNEED on every file."""
-    if not allowed:
-        return "fadvise"
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        return "fadvise"
-
-
 def cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)    # all threads of this process
     return r.ru_utime + r.ru_stime
@@ -173,11 +157,11 @@ def lookup(tokens: int, kv_bytes_per_token: int, groups: int, links: list[float 
     with KVPool.memory(int(moved * 1.2) + 64 * MiB, devices=2) as pool:
         pool.put_many(data)
         assert pool.longest_prefix(ids, FP, gs) == tokens // 256 * 256
-        t_lookup = median_time(lambda: _timed(lambda: pool.longest_prefix(ids, FP, gs)), 15)
+        t_lookup = median_of(lambda: _timed(lambda: pool.longest_prefix(ids, FP, gs)), 15)
         for bw in links:
             progress(f"lookup: loading the context at {'memory speed' if bw is None else f'{bw / 1e9:.2f} GB/s'}")
             pool.set_throttle(bw)
-            t_load = median_time(lambda: timed_get(pool, keys), 3)
+            t_load = median_of(lambda: timed_get(pool, keys), 3)
             out["links"].append({"link_bw": bw, "load_s": t_load, "lookup_s": t_lookup, "share": t_lookup / t_load})
     return out
 
@@ -325,7 +309,7 @@ def _mixed_table(m: dict) -> list:
 
 def figure(results: dict, path) -> None:
     """One panel per section that ran (loops: two — probed vs cap, and the placements over the sum alone)."""
-    from kvflow.bench.common import save_figure
+    from kvflow.report import save_figure
     panels = []
     if "striping" in results:
         panels.append(_draw_striping)

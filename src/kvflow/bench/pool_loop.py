@@ -21,6 +21,7 @@ from kvflow.bench import loopdev
 from kvflow.errors import ConfigError
 from kvflow.pool import KVPool
 from kvflow.pool.devices.base import SUPERBLOCK
+from kvflow.stats import median_of
 
 MiB = 1 << 20
 Progress = Callable[[str], None]
@@ -66,10 +67,6 @@ def parse_options(only: str | None, caps: str, base_mib: float, data_mib: int | 
 def _timed_get(pool: KVPool, keys) -> float:
     from kvflow.bench.pool_bench import timed_get
     return timed_get(pool, keys)
-
-
-def _median(fn, repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
 
 
 def _share(pool: KVPool, n: int) -> list[float]:
@@ -118,7 +115,7 @@ def kernel_capped_loops(opts: LoopOptions, disk_dir: str, progress: Progress) ->
                         out["probed_write_bw"] = [d["probed_write_bw"] for d in pool.stats()["devices"]]
                     pool.put_many(data)
                     pool.checkpoint()
-                    t_all = _median(lambda: _timed_get(pool, keys), opts.repeats)
+                    t_all = median_of(lambda: _timed_get(pool, keys), opts.repeats)
                     share = [0.0] * len(order)
                     for j, x in enumerate(_share(pool, len(keys))):
                         share[order[j]] = x                # by device (cap order), whatever the pool's order
@@ -131,7 +128,7 @@ def kernel_capped_loops(opts: LoopOptions, disk_dir: str, progress: Progress) ->
                             written.append(sum(e[3] for e in pool.entries() if e[1] == i))
                             progress(f"loops: device {i} alone through the pool")
                             alone.append(sum(data[k].numel() * 4 for k in mine)
-                                         / _median(lambda: _timed_get(pool, mine), opts.repeats) if mine else 0.0)
+                                         / median_of(lambda: _timed_get(pool, mine), opts.repeats) if mine else 0.0)
                         out["pool_alone_bw"] = alone
                     out["placements"][placement] = row
                 if placement == "bandwidth":
@@ -169,7 +166,7 @@ def _dio(path: str) -> bool | None:
 
 def mixed(disk_dir: str, data_bytes: int, record_bytes: int, repeats: int, progress: Progress) -> dict:
     """Section 5: a pool of host memory + an extent file on the real disk, both probed by the organizer."""
-    from kvflow.bench.common import odirect_supported
+    from kvflow.pool.devices import odirect_supported
     from kvflow.bench.pool_bench import synthetic_context
     _, keys, data = synthetic_context(data_bytes // record_bytes * 256, record_bytes, seed=5)
     moved = sum(t.numel() * 4 for t in data.values())
@@ -186,14 +183,14 @@ def mixed(disk_dir: str, data_bytes: int, record_bytes: int, repeats: int, progr
             probed = [d["probed_read_bw"] for d in st]
             pool.put_many(data)
             pool.checkpoint()
-            t_all = _median(lambda: _timed_get(pool, keys), repeats)
+            t_all = median_of(lambda: _timed_get(pool, keys), repeats)
             share = _share(pool, len(keys))
             dev_of = {d: dev for d, dev, *_ in pool.entries()}
             alone = []
             for i, name in enumerate(("memory", "extent")):
                 mine = [k for k in keys if dev_of[k.digest] == i]
                 progress(f"mixed: {name} alone")
-                alone.append(sum(data[k].numel() * 4 for k in mine) / _median(lambda: _timed_get(pool, mine), repeats)
+                alone.append(sum(data[k].numel() * 4 for k in mine) / median_of(lambda: _timed_get(pool, mine), repeats)
                              if mine else 0.0)
             extent_bytes = sum(e[3] for e in pool.entries() if e[1] == 1)
         raw_disk = None

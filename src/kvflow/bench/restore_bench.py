@@ -23,13 +23,15 @@ import torch
 
 from kvflow.bench.bound import (CellProbe, QueryTimes, batch_bound, batch_mean_bound, odirect_read_rate,
                                 recompute_rate)
-from kvflow.bench.common import odirect_supported, save_figure
+from kvflow.report import save_figure
+from kvflow.pool.devices import odirect_supported
 from kvflow.cost.model import CostModel
 from kvflow.errors import KVFlowError
 from kvflow.model.runner import ModelRunner
 from kvflow.planner import STRATEGIES
 from kvflow.pool import KVPool
 from kvflow.restorer import Restorer, RestoreResult
+from kvflow.stats import percentile
 
 BASELINES = ("recompute", "load", "load-layerwise", "cake")
 Progress = Callable[[str], None]
@@ -288,18 +290,9 @@ def batch_lengths(size: int, seed: int, lo: int = 512, hi: int | None = None, ch
             for x in u]
 
 
-def percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    if len(s) == 1:
-        return s[0]
-    k = (len(s) - 1) * q
-    f = math.floor(k)
-    return s[f] + (s[min(f + 1, len(s) - 1)] - s[f]) * (k - f)
-
-
 def ttft_stats(values: list[float]) -> dict:
-    return {"mean": statistics.mean(values), "p50": percentile(values, 0.5), "p90": percentile(values, 0.9),
-            "p99": percentile(values, 0.99), "max": max(values)}
+    return {"mean": statistics.mean(values), "p50": percentile(values, 50), "p90": percentile(values, 90),
+            "p99": percentile(values, 99), "max": max(values)}
 
 
 BATCH_MODES = (("cacheflow", "batch"), ("cacheflow", "sjf"), ("cacheflow", "fcfs"), ("cake", "fcfs"))

@@ -31,7 +31,8 @@ from typing import Callable
 
 from kvflow.bench.bound import recompute_rate
 from kvflow.bench.restore_bench import Bench
-from kvflow.bench.serve_bench import ChatWorkload, kvflow_engine, sessions
+from kvflow.demo.chat import ChatWorkload, sessions
+from kvflow.server.process import kvflow_engine
 from kvflow.engine import EngineConfig, SamplingParams
 
 STRATEGIES = ("recompute", "cacheflow")

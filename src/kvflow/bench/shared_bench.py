@@ -12,7 +12,7 @@
                   throttled to a 10 Gbps link (1.25 GB/s), and throttled to rho = 1 (the link moves the context's
                   KV in the time recompute takes, measured just before). Exactness is checked on every restore.
 
-Without ``--url`` the bench starts a 3-master cluster on loopback in a temporary directory (``redis_local.py``)
+Without ``--url`` the bench starts a 3-master cluster on loopback in a temporary directory (``pool/redis_local.py``)
 and always tears it down; with ``--url`` it uses that store (its keys under a fresh prefix, deleted after).
 """
 
@@ -31,17 +31,15 @@ from typing import Callable
 
 import torch
 
-from kvflow.bench.common import odirect_supported, save_figure
+from kvflow.report import save_figure
+from kvflow.pool.devices import odirect_supported
 from kvflow.bench.pool_bench import synthetic_context, timed_get
 from kvflow.pool import KVPool
+from kvflow.stats import median_of
 
 MiB = 1 << 20
 LINK_10G = 1.25e9
 Progress = Callable[[str], None]
-
-
-def _median(fn, repeats: int) -> float:
-    return statistics.median(fn() for _ in range(max(1, repeats)))
 
 
 def _remote(url: str, cluster: bool, prefix: str, **extra) -> dict:
@@ -97,14 +95,14 @@ def aggregate(url: str, cluster: bool, disk_dir: str, data_bytes: int, record_by
                 pool.put_many(data)
                 timed_get(pool, keys)                                   # warm: connections, page mappings
                 progress(f"aggregate ({label}): striped read")
-                t_all = _median(lambda: timed_get(pool, keys), repeats)
+                t_all = median_of(lambda: timed_get(pool, keys), repeats)
                 dev_of = {d: dev for d, dev, *_ in pool.entries()}
                 share, alone = [], []
                 for i, name in enumerate(names):
                     mine = [k for k in keys if dev_of[k.digest] == i]
                     share.append(sum(data[k].numel() * 4 for k in mine) / moved)
                     progress(f"aggregate ({label}): {name} alone")
-                    alone.append(sum(data[k].numel() * 4 for k in mine) / _median(lambda: timed_get(pool, mine),
+                    alone.append(sum(data[k].numel() * 4 for k in mine) / median_of(lambda: timed_get(pool, mine),
                                                                                      repeats) if mine else 0.0)
         finally:
             _clear(url, cluster, prefix)
@@ -189,7 +187,7 @@ def second_engine(url: str, cluster: bool, model: str, tokens: int, query_len: i
 # -- the run ---------------------------------------------------------------------------------------------------
 def run(*, url: str | None, cluster: bool, quick: bool, disk_dir: str | None, model: str, tokens: int | None,
         caps: list[float], sections: set[str], progress: Progress, command: str | None = None) -> dict:
-    from kvflow.bench.redis_local import RedisProcs
+    from kvflow.pool.redis_local import RedisProcs
 
     disk_dir = disk_dir or os.environ.get("KVFLOW_BENCH_DISK") or "/var/tmp"
     repeats = 1 if quick else 3

@@ -32,13 +32,12 @@ def bench_connector(model: str = typer.Option("qwen2.5-0.5b@layers=4", help="pre
     """vLLM with the kvflow connector (pool on disk; striped memory + disk) vs vLLM recomputing vs vLLM's
     ExampleConnector: TTFT of a repeated 4K / 8K prompt, same run, interleaved."""
     from kvflow.bench import connector_bench
-    from kvflow.bench.common import out_dir, report
+    from kvflow.report import out_dir, report
 
-    try:
-        sizes = [int(x) for x in lengths.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--lengths: expected comma-separated integers, got {lengths!r}") from None
-    if not sizes or any(not 512 <= n <= 131072 for n in sizes):
+    from kvflow.stats import comma_list
+
+    sizes = comma_list(lengths, int, "--lengths")
+    if any(not 512 <= n <= 131072 for n in sizes):
         raise ConfigError(f"--lengths: each must be 512..131072 tokens, got {lengths!r}")
     chunk = block_size if chunk_tokens is None else chunk_tokens
     if block_size < 32 or block_size % 32 or block_size > 1024:

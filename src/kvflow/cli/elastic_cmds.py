@@ -11,17 +11,7 @@ import typer
 
 from kvflow.cli.limits import seed_option
 from kvflow.cli.main import bench_app
-from kvflow.errors import KVFlowError
-
-
-def _ints(text: str, name: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise KVFlowError(f"{name} must be comma-separated integers, got {text!r}") from None
-    if not values:
-        raise KVFlowError(f"{name} is empty")
-    return values
+from kvflow.stats import comma_list
 
 
 @bench_app.command("elastic")
@@ -46,12 +36,12 @@ def bench_elastic(
 ) -> None:
     """Chunked prefill vs an elastic reserve: TTFT vs token budget, reserve vs budget, capacity at one memory
     budget, take-back latency, peak resident memory vs budget."""
-    from kvflow.bench.common import out_dir, print_table, save_figure, write_json
+    from kvflow.report import out_dir, print_table, save_figure, write_json
     from kvflow.bench.elastic_bench import ElasticWorkload, draw, run
     from kvflow.engine.reserve import hold_to_live_set
     from kvflow.model import load_model
 
-    w = ElasticWorkload(budgets=_ints(budgets, "--budgets"), long_len=long_len, long_prompts=long_prompts,
+    w = ElasticWorkload(budgets=tuple(comma_list(budgets, int, "--budgets")), long_len=long_len, long_prompts=long_prompts,
                         decoders=decoders, decode_prompt=decode_prompt, gap=gap, repeats=repeats,
                         c_decoders=c_decoders, c_tokens=c_tokens, c_long_len=c_long_len,
                         c_long_prompts=c_long_prompts, c_base_blocks=c_base_blocks,

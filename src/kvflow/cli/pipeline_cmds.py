@@ -11,16 +11,7 @@ from rich.console import Console
 from kvflow.cli.limits import MAX_RHO, seed_option
 from kvflow.cli.main import bench_app
 from kvflow.errors import KVFlowError
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KVFlowError(f"bad {name} {text!r}: expected comma-separated integers, e.g. 1,2") from None
-    if not values or min(values) < 1:
-        raise KVFlowError(f"bad {name} {text!r}: values must be >= 1")
-    return values
+from kvflow.stats import comma_list
 
 
 def _rhos(text: str) -> list[float | None]:
@@ -63,7 +54,7 @@ def bench_pipeline(
 ) -> None:
     """Independent (boundary activations) vs sequential vs 1-stage restoration: TTFT, speedup vs the ideal, T*."""
     from kvflow.bench import pipeline_bench
-    from kvflow.bench.common import out_dir, report
+    from kvflow.report import out_dir, report
 
     from kvflow.model.runner import max_threads
     if threads > max_threads():            # 99999 OpenMP threads crash a stage process, not one line
@@ -71,7 +62,7 @@ def bench_pipeline(
     handoffs = [h.strip() for h in handoff.split(",") if h.strip()]
     if not handoffs or any(h not in ("stage", "step") for h in handoffs):
         raise KVFlowError(f"bad --handoff {handoff!r}: stage, step or stage,step")
-    cfg = pipeline_bench.PipelineBenchConfig(model=model, seed=seed, stages=sorted(set(_ints(stages, "--stages"))),
+    cfg = pipeline_bench.PipelineBenchConfig(model=model, seed=seed, stages=sorted(set(comma_list(stages, int, "--stages"))),
                                              context=context, query=query, chunk_tokens=chunk, rhos=_rhos(rho),
                                              repeats=repeats, threads=threads, split=split, handoffs=handoffs,
                                              timeout_s=timeout)

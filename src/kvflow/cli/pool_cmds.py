@@ -49,7 +49,7 @@ def _device_rows(st: dict) -> list[dict]:
 
 
 def _show(title: str, st: dict) -> None:
-    from kvflow.bench.common import print_table
+    from kvflow.report import print_table
     print_table(title, _device_rows(st))
     Console().print(f"{st['records']} records, {st['used'] / (1 << 30):.3f} of {st['capacity'] / (1 << 30):.3f} GiB "
                     f"used, pool reads at {st['read_bandwidth'] / (1 << 20):.0f} MiB/s, durability {st['durability']}")
@@ -173,7 +173,7 @@ def bench_pool(quick: bool = typer.Option(False, "--quick", help="small sizes, o
     """Striping vs sum of devices vs equal/overflow (token-bucket check, and on kernel-capped loop devices kvflow
     must probe); passthrough vs files on the real disk; lookup cost; a memory + disk pool."""
     from kvflow.bench import pool_bench
-    from kvflow.bench.common import out_dir, report
+    from kvflow.report import out_dir, report
     from kvflow.bench.pool_loop import parse_options
     if disk_dir is not None and not disk_dir.is_dir():
         raise ConfigError(f"--disk-dir {disk_dir} is not a folder")

@@ -4,7 +4,6 @@ with every strategy), `kvflow bench restore` and `kvflow bench second-turn`."""
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -17,22 +16,10 @@ from rich.table import Table
 from kvflow.cli.limits import MAX_RHO, seed_option
 from kvflow.cli.main import app, bench_app
 from kvflow.errors import KVFlowError
+from kvflow.stats import comma_list
 
 console = Console(width=None if sys.stdout.isatty() else 160)  # full tables in logs too
 err_console = Console(stderr=True)
-
-
-def parse_list(text: str, kind=float, name: str = "list", hi: float = math.inf) -> list:
-    """Comma-separated positive finite numbers, each at most ``hi``; one KVFlowError naming the option otherwise."""
-    try:
-        values = [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KVFlowError(f"bad {name} {text!r}: expected comma-separated {kind.__name__}s") from None
-    if not values or any(not math.isfinite(v) or v <= 0 for v in values):
-        raise KVFlowError(f"bad {name} {text!r}: values must be positive finite numbers")
-    if any(v > hi for v in values):
-        raise KVFlowError(f"bad {name} {text!r}: values must be at most {hi:g}")
-    return values
 
 
 def ensure_cost(runner, max_position: int):
@@ -102,9 +89,9 @@ def demo(ctx: typer.Context,
         return
     import time
 
-    from kvflow.bench.common import out_dir, print_table, save_figure, write_json
-    from kvflow.bench.demo import STRATEGIES, elapsed, run_demo
-    from kvflow.bench.serve_bench import ChatWorkload, draw_cdf
+    from kvflow.report import out_dir, print_table, save_figure, write_json
+    from kvflow.demo.chat import ChatWorkload, draw_cdf
+    from kvflow.demo.run import STRATEGIES, elapsed, run_demo
     from kvflow.cli.model_cmds import progress_bar
     from kvflow.model import load_model
     from kvflow.server.build import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL
@@ -170,7 +157,7 @@ def demo_restore(
     as_json: bool = typer.Option(False, "--json", help="print the results as JSON"),
 ) -> None:
     """Store a long context, restore it with every strategy at rho, compare with a fresh full prefill."""
-    from kvflow.bench.common import out_dir, write_json
+    from kvflow.report import out_dir, write_json
     from kvflow.bench.restore_bench import make_bench, measure, public
     from kvflow.executor import plot_timeline
     from kvflow.model import load_model
@@ -229,18 +216,18 @@ def bench_restore(
 ) -> None:
     """TTFT of every strategy vs rho and context length (+ batches); ratios measured side by side."""
     from kvflow.bench import restore_bench as rb
-    from kvflow.bench.common import out_dir, write_json
+    from kvflow.report import out_dir, write_json
     from kvflow.model import load_model
     from kvflow.pool.devices.throttle import MAX_LATENCY_S
     from kvflow.planner import STRATEGIES
 
     if quick:
         model, context_len, rhos, lengths, repeats, latency = "qwen2.5-0.5b@layers=2", 2048, "1,8", "512,2048", 1, ""
-    rho_list = parse_list(rhos, float, "--rho", MAX_RHO)
-    gbps_list = parse_list(gbps, float, "--gbps", 1e5) if gbps else []
-    latencies = parse_list(latency, float, "--latency", MAX_LATENCY_S) if latency.strip() else []
-    len_list = [int(x) for x in parse_list(lengths, int, "--lengths")]
-    batch_sizes = [int(x) for x in parse_list(batch, int, "--batch", 256)] if batch else []
+    rho_list = comma_list(rhos, float, "--rho", MAX_RHO)
+    gbps_list = comma_list(gbps, float, "--gbps", 1e5) if gbps else []
+    latencies = comma_list(latency, float, "--latency", MAX_LATENCY_S) if latency.strip() else []
+    len_list = comma_list(lengths, int, "--lengths")
+    batch_sizes = comma_list(batch, int, "--batch", 256) if batch else []
     folder = out_dir("bench-restore", out)
     status(f"building {model}")
     runner = load_model(model)
@@ -409,7 +396,7 @@ def bench_second_turn(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Second turn of a chat whose long history was evicted: recompute vs cacheflow TTFT over a link at rho."""
-    from kvflow.bench.common import out_dir, print_table, save_figure, write_json
+    from kvflow.report import out_dir, print_table, save_figure, write_json
     from kvflow.bench.second_turn import run_second_turn
     from kvflow.model import load_model
     from kvflow.server.build import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL

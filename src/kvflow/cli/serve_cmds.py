@@ -57,7 +57,7 @@ def bench_decode(model: str = typer.Option("tiny", help="preset or checkpoint di
                  as_json: bool = typer.Option(False, "--json")) -> None:
     """Batched decode: N sequences in one engine vs the same N one at a time (tokens/s ratio)."""
     from kvflow import load_model
-    from kvflow.bench.common import out_dir, report
+    from kvflow.report import out_dir, report
     from kvflow.bench.serve_bench import batched_decode
 
     if min(sequences, prompt_len, max_tokens) < 2 or repeats < 1:
@@ -116,11 +116,10 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
     import contextlib
     from functools import partial
 
-    from kvflow.bench.common import out_dir, report, save_figure
-    from kvflow.bench.server_process import ServerProcess, engine_for
-    from kvflow.bench.serve_bench import (ChatWorkload, draw_cdf, prompts_digest,
-                                          records_json, longest_history_tokens, median_summary, result_row,
-                                          run_chat, summarize, working_set_tokens)
+    from kvflow.report import out_dir, report, save_figure
+    from kvflow.demo.chat import (ChatWorkload, draw_cdf, prompts_digest, records_json, longest_history_tokens,
+                                  median_summary, result_row, run_chat, summarize, working_set_tokens)
+    from kvflow.server.process import ServerProcess, engine_for
 
     w = ChatWorkload.of(workload, users=users, rounds=rounds, rate=rate, system_tokens=system_tokens,
                         user_tokens=user_tokens, answer_tokens=answer_tokens, think_s=think, docs=docs,
@@ -171,8 +170,9 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
             raise KVFlowError(f"--rho must be in (0, {MAX_RHO:g}]")
         venv = None
         if peer is not None:
-            from kvflow.bench.peer import NOT_INSTALLED, find_venv
-            venv = find_venv(peer_venv)
+            from kvflow.bench.peer import NOT_INSTALLED
+            from kvflow.integrations.vllm_server import vllm_venv
+            venv = vllm_venv(peer_venv)
             if venv is None:
                 typer.echo(f"note: {NOT_INSTALLED}" + (f" (no vLLM in {peer_venv})" if peer_venv else ""),
                            err=True)
@@ -209,8 +209,9 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                 rounds_of[peer] = []
                 results["peer"] = {"name": peer, "venv": str(venv), "command": vllm.command(),
                                    "env": {k: v for k, v in vllm.env().items() if k.startswith("VLLM_")},
-                                   "block_size": vllm.peer_block_size, "num_blocks": vllm.num_blocks,
-                                   "kv_budget_tokens": vllm.max_model_len}
+                                   "block_size": vllm.profile.peer_block_size,
+                                   "num_blocks": vllm.profile.num_blocks,
+                                   "kv_budget_tokens": vllm.profile.max_model_len}
             for _ in range(repeats):                  # configurations alternate: a shared machine drifts
                 for name in names:
                     strategy, policy = parts(name)
@@ -277,9 +278,10 @@ def bench_soak(url: Optional[str] = typer.Option(None, help="an OpenAI-compatibl
     """Valid clients + a bad-input barrage for DURATION: errors on valid requests, 4xx on bad ones, RSS growth."""
     import asyncio
 
-    from kvflow.bench.common import out_dir, report
-    from kvflow.bench.server_process import ServerProcess
-    from kvflow.bench.serve_bench import rss_bytes, run_soak
+    from kvflow.report import out_dir, report
+    from kvflow.bench.serve_bench import run_soak
+    from kvflow.server.process import ServerProcess
+    from kvflow.stats import rss_bytes
 
     if not 1 <= clients <= 10_000 or not 0 < duration <= 7 * 86400:
         raise KVFlowError(f"--clients must be 1..10000 and --duration in (0, 604800] seconds, got {clients} and "

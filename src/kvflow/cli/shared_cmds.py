@@ -31,8 +31,8 @@ def bench_shared(quick: bool = typer.Option(False, "--quick", help="small sizes,
     """Memory + disk + cluster striped vs the sum of each alone (own speed and capped), and the TTFT of a second
     engine restoring a context another process stored, vs recompute (loopback and a 10 Gbps link)."""
     from kvflow.bench import shared_bench
-    from kvflow.bench.common import out_dir, report
-    from kvflow.bench.redis_local import redis_available
+    from kvflow.report import out_dir, report
+    from kvflow.pool.redis_local import redis_available
 
     if disk_dir is not None and not disk_dir.is_dir():
         raise ConfigError(f"--disk-dir {disk_dir} is not a folder")

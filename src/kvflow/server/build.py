@@ -34,7 +34,7 @@ def default_config(home: str | os.PathLike = DEFAULT_HOME, capacity: str = "1G")
     file ``HOME/pool/kv.img`` (+ ``HOME/pool/index``), O_DIRECT where the file system allows it."""
     from pathlib import Path
 
-    from kvflow.bench.common import odirect_supported
+    from kvflow.pool.devices import odirect_supported
 
     root = Path(home).resolve() / "pool"
     root.mkdir(parents=True, exist_ok=True)

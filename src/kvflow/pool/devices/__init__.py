@@ -1,7 +1,7 @@
 """Device registry. Adding a device type = one new module implementing ``Device`` + one line here."""
 
 from kvflow.pool.devices.base import ALIGN, Device, aligned_empty
-from kvflow.pool.devices.extent import ExtentDevice
+from kvflow.pool.devices.extent import ExtentDevice, odirect_supported
 from kvflow.pool.devices.files import FilesDevice
 from kvflow.pool.devices.memory import MemoryDevice
 from kvflow.pool.devices.remote import RemoteDevice
@@ -20,4 +20,4 @@ def open_device(cfg, readonly: bool = False) -> Device:
 
 
 __all__ = ["ALIGN", "DEVICE_TYPES", "Device", "ExtentDevice", "FilesDevice", "MemoryDevice", "RemoteDevice",
-           "Throttled", "TokenBucket", "aligned_empty", "open_device"]
+           "Throttled", "TokenBucket", "aligned_empty", "odirect_supported", "open_device"]

@@ -28,6 +28,17 @@ from kvflow.pool.devices.base import (SUPERBLOCK, Device, Owner, aligned_empty, 
 
 log = logging.getLogger("kvflow.pool")
 
+
+def odirect_supported(folder: str | os.PathLike) -> bool:
+    """Whether files in ``folder`` can be opened O_DIRECT (tmpfs and some overlays cannot)."""
+    path = os.path.join(folder, ".odirect-probe")
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        return False
+    os.unlink(path)
+    return True
+
 _ZERO_STEP = 8 << 20
 
 

@@ -6,7 +6,7 @@
               tokens — the serve default), unthrottled; removed after each configuration's run
     budget    resident KV for a quarter of the working set (at least the longest prompt), so most users' histories
               are evicted before their next turn and come back from the pool
-    workload  the multi-round chat of bench/serve_bench.py (Poisson arrivals, think time, the whole history resent
+    workload  the multi-round chat of demo/chat.py (Poisson arrivals, think time, the whole history resent
               every turn), driven through the official ``openai`` client against an in-process server
     configs   ``recompute`` and ``cacheflow``: the strategy that restores pool hits; alternated over ``repeats``
     check     after the last cacheflow run, user 0's conversation is replayed through that server (its prefixes are
@@ -25,11 +25,11 @@ from typing import Callable
 
 from functools import partial
 
-from kvflow.bench.server_process import ServerProcess, engine_for
-from kvflow.bench.serve_bench import (ChatWorkload, longest_history_tokens, median_summary, records_json,
-                                      result_row, run_chat, sessions, summarize, working_set_tokens)
+from kvflow.demo.chat import (ChatWorkload, longest_history_tokens, median_summary, records_json, result_row,
+                              run_chat, sessions, summarize, working_set_tokens)
 from kvflow.engine import EngineConfig
 from kvflow.engine.tokenizer import ByteTokenizer
+from kvflow.server.process import ServerProcess, engine_for
 
 STRATEGIES = ("recompute", "cacheflow")
 Tick = Callable[[int, int], None]          # (finished requests, total requests)
@@ -44,7 +44,7 @@ def run_demo(runner, cost, w: ChatWorkload, *, home: str | Path, chunk_tokens: i
              kv_share: float = 0.25, repeats: int = 2, check: bool = True, tick: Tick = lambda done, total: None,
              model: str | None = None, seed: int = 0) -> tuple[dict, dict]:
     """Run the chat workload once per strategy per repeat (alternated); returns (results for JSON, TTFT records per
-    strategy for the CDF). Each configuration's server runs in a process of its own (bench/server_process.py),
+    strategy for the CDF). Each configuration's server runs in a process of its own (server/process.py),
     built from ``model`` (default ``runner.name``) with weights ``seed``: the same weights as ``runner``, which the
     check compares against."""
     model = model or runner.name

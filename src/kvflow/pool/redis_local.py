@@ -1,6 +1,6 @@
-"""Local Redis servers for ``kvflow bench shared`` and the remote-tier tests: a cluster of masters, or one server, on
-free loopback ports in a temporary directory — each server in its own process group, always killed and the directory
-removed.
+"""Local Redis servers for the remote tier (``kvflow bench shared``, the remote-tier tests): a cluster of masters, or
+one server, on free loopback ports in a temporary directory — each server a Supervised process (its own group,
+kvflow/supervisor.py), always killed and the directory removed.
 
     with RedisProcs(masters=3) as rp:          # cluster mode; RedisProcs(masters=1, cluster=False): one server
         rp.url                                 # "redis://127.0.0.1:P1,127.0.0.1:P2,..." for a remote device
@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+from kvflow.errors import KVFlowError
+from kvflow.supervisor import Supervised
 
 
 def redis_available() -> str | None:
@@ -54,7 +56,7 @@ class RedisProcs:
     password: str | None = None
     maxmemory: str | None = None            # e.g. "64mb": the store evicts (allkeys-lru) beyond it
     ports: list[int] = field(default_factory=list)
-    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    procs: dict[int, Supervised] = field(default_factory=dict)
     dir: str = ""
 
     @property
@@ -70,9 +72,12 @@ class RedisProcs:
                 self.ports = free_ports(self.masters, self.cluster)
                 for i in range(self.masters):
                     self._spawn(i)
-                if all(self._wait_ping(p, raise_=False) for p in self.ports):
+                try:
+                    for p in self.ports:
+                        self.procs[p].wait_ready(20)
                     break
-                self._kill_all()
+                except KVFlowError:
+                    self._kill_all()
             else:
                 raise RuntimeError(f"redis-server did not start; logs in {self.dir}")
             if self.cluster:
@@ -95,32 +100,23 @@ class RedisProcs:
                      "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no"]
         return args
 
-    def _spawn(self, i: int) -> None:
+    def _spawn(self, i: int) -> Supervised:
         port = self.ports[i]
-        self.procs[port] = subprocess.Popen(self._args(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                            start_new_session=True)    # its own process group: killed as one
+        self.procs[port] = Supervised(self._args(port), ready=lambda: self._ping(port), poll_s=0.05,
+                                      name=f"redis-server on port {port} (log: {self.dir}/{port}.log)").spawn()
+        return self.procs[port]
+
+    def _ping(self, port: int) -> bool:
+        try:
+            return self._cli("ping", port=port, timeout=5).stdout.strip() == "PONG"
+        except subprocess.TimeoutExpired:
+            return False
 
     def _cli(self, *args: str, port: int | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
         cmd = ["redis-cli", "-h", "127.0.0.1"] + (["-p", str(port)] if port else [])
         if self.password:
             cmd += ["-a", self.password, "--no-auth-warning"]
         return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout)
-
-    def _wait_ping(self, port: int, timeout: float = 20, raise_: bool = True) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            proc = self.procs.get(port)
-            if proc is not None and proc.poll() is not None:
-                break
-            try:
-                if self._cli("ping", port=port, timeout=5).stdout.strip() == "PONG":
-                    return True
-            except subprocess.TimeoutExpired:
-                pass
-            time.sleep(0.05)
-        if raise_:
-            raise RuntimeError(f"redis-server on port {port} did not answer; log: {self.dir}/{port}.log")
-        return False
 
     def _create_cluster(self) -> None:
         done = self._cli("--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports], "--cluster-replicas", "0",
@@ -141,19 +137,17 @@ class RedisProcs:
 
     @property
     def live(self) -> list[int]:
-        return [p for p in self.ports if self.procs.get(p) is not None and self.procs[p].poll() is None]
+        return [p for p in self.ports if self.procs.get(p) is not None and self.procs[p].alive]
 
     def kill(self, i: int) -> None:
         """SIGKILL node ``i`` (its process group)."""
-        port = self.ports[i]
-        proc = self.procs.pop(port, None)
+        proc = self.procs.pop(self.ports[i], None)
         if proc is not None:
-            _killpg(proc)
+            proc.kill()
 
     def restart(self, i: int) -> None:
         """Start node ``i`` again on its port: empty (nothing is persisted), same node id and slots (nodes.conf)."""
-        self._spawn(i)
-        self._wait_ping(self.ports[i])
+        self._spawn(i).wait_ready(20)
         if self.cluster:
             self.wait_ok()
 
@@ -163,7 +157,7 @@ class RedisProcs:
 
     def _kill_all(self) -> None:
         for port in list(self.procs):
-            _killpg(self.procs.pop(port))
+            self.procs.pop(port).kill()
 
     def stop(self) -> None:
         self._kill_all()
@@ -176,10 +170,3 @@ class RedisProcs:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-
-def _killpg(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)    # the group we created for it (start_new_session), nobody else's
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)

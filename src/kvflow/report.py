@@ -1,4 +1,5 @@
-"""What every ``kvflow bench ...`` shares: an output folder, a table on the terminal, JSON, a PNG.
+"""What every ``kvflow bench ...``, the demo and ``kvflow pool stat`` share: an output folder, a table on the terminal,
+JSON, a PNG.
 
     out = out_dir("pool", args.out)                     # runs/pool-20260101-120000/ unless given
     print_table("aggregate read bandwidth", rows)       # rows: list of dicts, one column per key
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -24,17 +24,6 @@ def out_dir(bench: str, out: str | Path | None = None) -> Path:
     path = Path(out) if out is not None else Path("runs") / f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}"
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def odirect_supported(folder: str | Path) -> bool:
-    """Whether files in ``folder`` can be opened O_DIRECT (tmpfs and some overlays cannot)."""
-    path = os.path.join(folder, ".odirect-probe")
-    try:
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
-    except OSError:
-        return False
-    os.unlink(path)
-    return True
 
 
 def fmt(value) -> str:

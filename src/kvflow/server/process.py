@@ -1,4 +1,5 @@
-"""ServerProcess: one benchmark configuration's kvflow server in a process of its own, on 127.0.0.1.
+"""ServerProcess: a kvflow server in a process of its own, on 127.0.0.1 (the demo's and each benchmark
+configuration's), and the engine it runs (``kvflow_engine``: a fresh pool per configuration).
 
 Why a process and not a thread of the benchmark: the load generator is Python too (asyncio, the OpenAI client,
 SSE parsing for every streamed token of every user), and in one process it shares a GIL with the server's HTTP
@@ -27,19 +28,64 @@ from typing import Callable
 
 from kvflow.errors import KVFlowError
 from kvflow.net import free_port
+from kvflow.supervisor import stop_group
 
 START_TIMEOUT_S = 300.0     # model load + activation-reserve probe + pool open
 STOP_TIMEOUT_S = 120.0
 
 
 def engine_for(model: str, seed: int, **kwargs):
-    """``bench.serve_bench.kvflow_engine`` over ``model`` loaded here (the child), its set-up on a thread that ends."""
+    """``kvflow_engine`` over ``model`` loaded here (the child), its set-up on a thread that ends."""
     from kvflow import load_model
-    from kvflow.bench.serve_bench import kvflow_engine
     from kvflow.threads import in_fresh_thread
 
     runner = in_fresh_thread(load_model, model, seed=seed)
     return in_fresh_thread(kvflow_engine, runner, **kwargs)
+
+
+def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, name: str = "pool",
+               rho: float | None = None, recompute_rate: float | None = None):
+    """An empty pool: in memory, or one extent file (+ index) under ``pool_dir`` (anything there before is removed);
+    with ``rho`` throttled to rho x ``recompute_rate`` (KV bytes/s of short-context recompute, measured warm at the
+    start of the run: bench/bound.py, as every kvflow benchmark defines rho — DESIGN.md §5)."""
+    import shutil
+    from pathlib import Path
+
+    from kvflow import KVPool
+    from kvflow.pool.devices import odirect_supported
+
+    if pool_dir is None:
+        pool = KVPool.memory(pool_bytes, chunk_tokens=chunk_tokens)
+    else:
+        root = Path(pool_dir) / f"serve-{name}"
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        pool = KVPool.open({"devices": [{"type": "extent", "path": str(root / "kv.img"), "capacity": pool_bytes,
+                                         "direct": odirect_supported(root)}],
+                            "chunk_tokens": chunk_tokens, "index_dir": str(root / "index"), "durability": "relaxed"})
+    if rho is not None:
+        pool.set_throttle(rho * recompute_rate)
+    return pool
+
+
+def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int, pool_bytes: int, chunk_tokens: int,
+                  max_num_batched_tokens: int, cost=None, pool_dir: str | None = None, rho: float | None = None,
+                  recompute_rate: float | None = None, scheduling_policy: str | None = None):
+    """An engine over ``runner`` with a fresh pool (``strategy`` None: no pool tier; ``scheduling_policy`` None:
+    the engine's default)."""
+    from kvflow import Restorer
+    from kvflow.engine import EngineConfig, LLMEngine
+    from kvflow.engine.tokenizer import ByteTokenizer
+
+    restorer = None
+    if strategy is not None:
+        pool = fresh_pool(pool_bytes, chunk_tokens, pool_dir, strategy, rho, recompute_rate)
+        restorer = Restorer(runner, pool, cost=cost)
+    cfg = EngineConfig(block_size=block_size, kv_budget=kv_budget, strategy=strategy or "cacheflow",
+                       max_num_batched_tokens=max_num_batched_tokens,
+                       **({} if scheduling_policy is None else {"scheduling_policy": scheduling_policy}))
+    cfg.validate()
+    return LLMEngine(runner, cfg, restorer=restorer, tokenizer=ByteTokenizer(runner.config.vocab_size))
 
 
 def hit_split(engine) -> dict:
@@ -61,6 +107,7 @@ def _child(build: Callable, model: str, port: int, conn) -> None:
     from kvflow.server import build_app
     from kvflow.threads import in_fresh_thread
 
+    os.setsid()                     # a group of its own: stopped as one (kvflow/supervisor.py)
     try:
         engine = in_fresh_thread(build)
         if isinstance(engine, tuple):
@@ -164,5 +211,8 @@ class ServerProcess:
 
     def _kill(self) -> None:
         if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout=10)
+            stop_group(self._proc.pid, self._joined)
+
+    def _joined(self, seconds: float) -> bool:
+        self._proc.join(timeout=seconds)
+        return not self._proc.is_alive()

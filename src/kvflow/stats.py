@@ -1,0 +1,90 @@
+"""The small measuring helpers every benchmark, the demo and the CLI share, written once.
+
+    percentile(ttfts, 99)           linear interpolation (numpy's default); nan (or ``empty``) for no values
+    median_of(timed_get, 5)         median of ``repeats`` calls
+    rss_bytes(pid)                  resident set size from /proc (``proc_status_bytes`` for VmHWM and the like)
+    drop_page_cache() / fadvise_out(folder)     the next read comes from the disk
+    comma_list("1,2,4", int, "--batch")         a CLI list, or one KVFlowError line
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from kvflow.errors import KVFlowError
+
+
+def percentile(values: Iterable[float], q: float, empty: float = float("nan")) -> float:
+    """The ``q``-th percentile (0..100), linearly interpolated; ``empty`` when there are no values."""
+    a = np.asarray(list(values), dtype=np.float64)
+    return float(np.percentile(a, q)) if a.size else empty
+
+
+def median_of(fn: Callable[[], float], repeats: int) -> float:
+    """The median of ``repeats`` (at least one) calls of ``fn``."""
+    return statistics.median(fn() for _ in range(max(1, repeats)))
+
+
+def proc_status_bytes(field: str, pid: int | str = "self") -> int:
+    """A ``kB`` field of /proc/PID/status (``VmRSS:``, ``VmHWM:``) in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/{pid}/status has no {field}")
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident set size of a process (Linux /proc); 0 when /proc does not say."""
+    try:
+        return proc_status_bytes("VmRSS:", pid)
+    except OSError:
+        return 0
+
+
+def drop_page_cache(allowed: bool = True) -> str:
+    """Drop the kernel page cache if allowed (root): "drop_caches"; otherwise "fadvise" (the caller fadvises files)."""
+    if not allowed:
+        return "fadvise"
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        return "fadvise"
+
+
+def fadvise_out(folder: Path) -> None:
+    """fadvise(DONTNEED) every file under ``folder``: the next read comes from the disk (only these files)."""
+    for p in Path(folder).rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def comma_list(text: str, kind: type = int, name: str = "list", hi: float = math.inf) -> list:
+    """``"1, 2,4"`` -> ``[1, 2, 4]``; numbers must be positive, finite and at most ``hi``; empty or bad: one
+    KVFlowError line."""
+    try:
+        values = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        noun = {int: "integers", float: "numbers"}.get(kind, "values")
+        raise KVFlowError(f"bad {name} {text!r}: expected comma-separated {noun}") from None
+    if not values:
+        raise KVFlowError(f"bad {name} {text!r}: expected at least one value")
+    if kind in (int, float) and any(not math.isfinite(v) or v <= 0 for v in values):
+        raise KVFlowError(f"bad {name} {text!r}: values must be positive finite numbers")
+    if any(v > hi for v in values):
+        raise KVFlowError(f"bad {name} {text!r}: values must be at most {hi:g}")
+    return values
