@@ -68,45 +68,11 @@ def init(config: Path = typer.Argument(..., help="pool config (YAML/TOML) to cre
 
 
 def _format(config: Path) -> None:
-    """--force: remove what the config names so init creates it anew — extent and memory files (a block device's
-    superblocks are zeroed), kvflow files-device folders and the index folder."""
-    import shutil
-
+    """--force: check everything the config names and take every writer lock first (pool/format.py), then remove
+    it so init creates it anew; a refusal deletes nothing."""
     from kvflow.pool import PoolConfig
-    from kvflow.pool.devices.base import SUPERBLOCK
-    cfg = PoolConfig.load(_config(config))
-    for dev in cfg.devices:
-        if dev.path is None or not os.path.lexists(dev.path):
-            continue
-        path = Path(dev.path)
-        if dev.type == "files":
-            if not path.is_dir() or path.is_symlink():
-                raise ConfigError(f"{path} is not a folder; a files device is a folder")
-            if any(path.iterdir()) and not (path / ".kvflow-device").exists():
-                raise ConfigError(f"{path} is a folder with other files in it, not a kvflow files device; "
-                                  f"--force formats only kvflow devices and files — remove it yourself")
-            shutil.rmtree(path)
-        elif path.is_block_device():
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                size = os.lseek(fd, 0, os.SEEK_END)
-                for at in (0, size // SUPERBLOCK * SUPERBLOCK - SUPERBLOCK):
-                    os.pwrite(fd, bytes(SUPERBLOCK), at)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        elif path.is_dir():
-            raise ConfigError(f"{path} is a folder; a {dev.type} device is a file")
-        elif not path.is_file() or path.is_symlink():
-            raise ConfigError(f"{path} is not a regular file or a block device; --force formats only those")
-        else:
-            path.unlink()
-    if cfg.index_dir and os.path.isdir(cfg.index_dir):
-        idx = Path(cfg.index_dir)
-        ours = ("manifest.json", "checkpoint", "lock", "wal.", ".tmp")
-        if any(not any(p.name.startswith(o) or p.name.endswith(o) for o in ours) for p in idx.iterdir()):
-            raise ConfigError(f"{idx} holds other files, not a kvflow index; remove it yourself")
-        shutil.rmtree(idx)
+    from kvflow.pool.format import plan
+    plan(PoolConfig.load(_config(config))).run()
 
 
 @pool_app.command("stat")
@@ -126,9 +92,13 @@ def probe(config: Optional[Path] = ConfigArg,
           size: Optional[str] = typer.Option(None, help="bytes per device, e.g. 256M (default: config)")) -> None:
     """Measure every device's read/write bandwidth again (on free space) and store it for placement."""
     from kvflow.config import parse_size
+    from kvflow.pool.organizer import PROBE_CHUNK
+    nbytes = parse_size(size, "--size") if size is not None else None
+    if nbytes is not None and nbytes < PROBE_CHUNK:
+        raise ConfigError(f"--size: at least {PROBE_CHUNK >> 20}M per device, got {size!r}")
     with _open(config) as pool:
         for i in range(len(pool.stats()["devices"])):
-            if pool.probe(i, parse_size(size, "--size") if size else None) is None:
+            if pool.probe(i, nbytes) is None:
                 Console().print(f"device {i}: no free space to probe; kept its previous bandwidth")
         _show("pool probed", pool.stats())
 

@@ -129,6 +129,7 @@ class KVPool:
     def _open(self) -> None:
         st, cfg = self._state, self.cfg
         manifest = st.journal.read_manifest() if st.journal else {"devices": []}
+        self._check_index_is_ours(manifest)
         known = {d["name"]: d for d in manifest["devices"]}
         next_id = max((d["id"] for d in manifest["devices"]), default=-1) + 1
         for dcfg in cfg.devices:
@@ -173,6 +174,16 @@ class KVPool:
                 log.warning("pool index %s: cannot rewrite the manifest (%s)", cfg.index_dir, err.strerror or err)
         self._placement = make_placement(cfg.placement,
                                          remote.weights(st, [s.read_bw if s.healthy else 0.0 for s in st.slots]))
+
+    def _check_index_is_ours(self, manifest: dict) -> None:
+        """An index folder belongs to one pool: the persistent devices its manifest records. A config that leaves
+        any of them out (another pool pointed at the same index_dir) would drop their rows: refused."""
+        ours = {d.name for d in self.cfg.devices if d.persistent}
+        theirs = [d["name"] for d in manifest["devices"] if d["name"] not in ours]
+        if theirs:
+            raise ConfigError(f"pool.index_dir {self.cfg.index_dir} is the index of a pool with device "
+                              f"{theirs[0].partition(':')[2] or theirs[0]}, which this config does not name; give "
+                              f"each pool its own index_dir (a pool's devices can be added to, never left out)")
 
     def _probe_missing(self) -> None:
         shared: dict[str, Bandwidth] = {}
