@@ -61,9 +61,20 @@ def init(config: Path = typer.Argument(..., help="pool config (YAML/TOML) to cre
                                                           "exist (everything stored on them is lost)")) -> None:
     """Create every device (preallocated extents, device headers), the index, and probe bandwidths. Existing files
     that are not this pool's devices are refused, never overwritten, unless --force."""
+    import logging
     if force:
         _format(config)
-    with _open(config) as pool:
+    pool_log = logging.getLogger("kvflow.pool")
+    level = pool_log.level
+    pool_log.setLevel(logging.ERROR)        # a store down is this command's one error line, not a warning before it
+    try:
+        pool = _open(config)
+    finally:
+        pool_log.setLevel(level)
+    with pool:
+        for s in pool.slots:
+            if why := getattr(s.device.inner, "unreachable", ""):     # serving starts without it; creating does not
+                raise ConfigError(f"{why}: the store does not answer; check its address, or start it first")
         _show("pool created", pool.stats())
 
 

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Iterable, Mapping
 
 import torch
@@ -54,6 +55,7 @@ log = logging.getLogger("kvflow.pool")
 _UNHEALTHY_AFTER = 3       # consecutive I/O errors before a device is taken out of service
 _REPROBE_S = 30.0          # a device out of service is tried again this long after it left
 _RETRIES = 2               # a transient I/O error is retried this many times before it counts
+_FULL = {errno.ENOSPC, errno.EDQUOT}   # a full disk: this put fails there, the device stays in service
 _TRANSIENT = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT}
 _DEFAULT_BW = 1e9          # assumed when a device was never probed (read-only open of an unprobed pool)
 
@@ -86,6 +88,9 @@ class KVPool:
         self._state = PoolState(cfg, readonly, Journal(cfg.index_dir, readonly) if cfg.index_dir else None)
         self._ckpt_lock = threading.Lock()
         self._closed = False
+        self._closing = False
+        self._inflight = 0                 # put_many / get_many / fsck / probe calls running: close() waits for them
+        self._idle = threading.Condition()
         self.synced_at = 0.0               # time.time() at which the last completed sync pass began: every put
         #                                    acknowledged before it is on stable storage (relaxed; strict: every put)
         self._sync_passes, self._sync_pass_max_s = 0, 0.0
@@ -227,13 +232,32 @@ class KVPool:
         return bw
 
     # -- the API the rest of kvflow calls -------------------------------------------------------------------
+    @contextmanager
+    def _running(self):
+        """One public call in flight: close() refuses new ones and waits for these before it closes devices."""
+        with self._idle:
+            if self._closing:
+                raise KVFlowError("this pool is closed")
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
     def put_many(self, items: Mapping[ChunkKey, torch.Tensor], dtype: torch.dtype | None = None) -> int:
         """Store records (in the given order, which striping follows); keys already stored are kept as they are.
         Returns the number of records written. A full pool evicts least recently used records; a record that
         fits nowhere (every candidate pinned by readers) is skipped, never an error. A write or sync that fails:
         strict mode raises StoreError (naming the device and the cause; the records that were stored stay stored),
         relaxed mode returns the smaller count and counts the rest in ``put_errors``. Tensors on a device are
-        copied to the host first (records are host bytes)."""
+        copied to the host first (records are host bytes). A full disk (ENOSPC) fails this put's records on that
+        device, never the device: its records are still served and later puts may evict."""
+        with self._running():
+            return self._put_many(items, dtype)
+
+    def _put_many(self, items: Mapping[ChunkKey, torch.Tensor], dtype: torch.dtype | None) -> int:
         if self.readonly:
             raise KVFlowError("this pool is open read-only")
         items = {k: t.cpu() if isinstance(t, torch.Tensor) and t.device.type != "cpu" else t for k, t in items.items()}
@@ -472,7 +496,8 @@ class KVPool:
     def fsck(self, repair: bool = True) -> dict:
         """Read and verify every record (header, checksum, key digest, sequence). Bad ones are reported and, with
         ``repair`` on a writable pool, dropped. Also checks that no two rows share an extent."""
-        return fsck(self._state, repair)
+        with self._running():
+            return fsck(self._state, repair)
 
     def rebuild(self) -> dict:
         """Rebuild the index from the devices' own record headers (each record verified, newest sequence per key
@@ -527,6 +552,11 @@ class KVPool:
         self._sync_pass_max_s = max(self._sync_pass_max_s, time.time() - started)
 
     def close(self) -> None:
+        with self._idle:
+            if self._closing:
+                return
+            self._closing = True                  # new calls are refused; those in flight finish first
+            self._idle.wait_for(lambda: self._inflight == 0)
         if self._closed:
             return
         if self._bg is not None:
@@ -607,6 +637,13 @@ class KVPool:
     def _io_error(self, dev: int, err: Exception, what: str) -> None:
         st = self._state
         s = st.slots[dev]
+        if getattr(err, "errno", None) in _FULL:      # a full disk fails writes, not the device: reads go on
+            with st.lock:
+                s.counters["errors"] += 1
+                s.counters["full"] += 1
+            log.warning("pool: %s on %s: no space left; the records of this put there are not stored (the device "
+                        "stays in service)", what, s.device.name)
+            return
         with st.lock:
             s.counters["errors"] += 1
             s.errors_in_row += 1

@@ -193,9 +193,11 @@ def recover(state: PoolState, rebuild: bool = False) -> ScanReport:
                      f"{rec.skipped} damaged log entries" if rec.skipped else "")
     rows = dict(rec.rows)
     next_seq = rec.next_seq
-    for i, s in enumerate(slots):
-        if s.id is None or s.device.fresh or not (scan_all or s.id not in known):
-            continue
+    scanned = [s for s in slots if s.id is not None and not s.device.fresh and (scan_all or s.id not in known)]
+    if scan_all:      # rows under ids no device answers to now (a renumbered manifest) must not shadow the scan's
+        unscanned = {s.id for s in slots if s.id is not None} - {s.id for s in scanned}
+        rows = {d: op for d, op in rows.items() if op.dev in unscanned}
+    for s in scanned:
         report.reason = report.reason or "a device the index does not know"
         found, bad = scan_device(getattr(s.device, "inner", s.device), s.id)
         report.devices += 1
@@ -204,7 +206,7 @@ def recover(state: PoolState, rebuild: bool = False) -> ScanReport:
         rows = {d: op for d, op in rows.items() if op.dev != s.id}       # the device's own records are the truth
         for digest, op in found.items():
             cur = rows.get(digest)
-            if cur is None or cur.seq < op.seq:
+            if cur is None or cur.seq <= op.seq:
                 rows[digest] = op
             next_seq = max(next_seq, op.seq + 1)
     by_id = {s.id: i for i, s in enumerate(slots) if s.id is not None}
