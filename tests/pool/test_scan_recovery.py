@@ -4,6 +4,7 @@ record whose own bytes are damaged disappears, and fsck right after recovery is 
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -48,11 +49,37 @@ def flip(path, pos):
     flip_byte(path, pos, 0x10)
 
 
-@pytest.mark.parametrize("damage", ["checkpoint", "log-entry", "manifest", "index-folder"])
+DAMAGES = ["checkpoint", "log-entry", "manifest", "index-folder", "checkpoint-deleted", "log-deleted",
+           "log-first-page-zeroed", "device-id-changed"]
+
+
+def damage_index(idx, damage):
+    if damage == "checkpoint-deleted":
+        (idx / "checkpoint").unlink()
+    elif damage == "log-deleted":
+        for wal in idx.glob("wal.*"):
+            wal.unlink()
+    elif damage == "log-first-page-zeroed":
+        wal = max(idx.glob("wal.*"), key=lambda p: p.stat().st_size)
+        with open(wal, "r+b") as f:
+            f.write(bytes(min(4096, wal.stat().st_size)))
+    elif damage == "device-id-changed":
+        manifest = json.loads((idx / "manifest.json").read_text())
+        for d in manifest["devices"]:
+            d["id"] += 7
+        (idx / "manifest.json").write_text(json.dumps(manifest))
+    else:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_index_is_rebuilt_from_the_records(tmp_path, damage):
     cfg, keys = make_pool(tmp_path)
     idx = tmp_path / "idx"
-    if damage == "checkpoint":
+    if damage_index(idx, damage):
+        pass
+    elif damage == "checkpoint":
         flip(idx / "checkpoint", 100)
     elif damage == "log-entry":
         wal = max(idx.glob("wal.*"), key=lambda p: p.stat().st_size)
@@ -62,6 +89,24 @@ def test_a_damaged_index_is_rebuilt_from_the_records(tmp_path, damage):
     else:
         shutil.rmtree(idx)
     assert served_intact(cfg, keys) == len(keys)
+
+
+@pytest.mark.parametrize("damage", ["checkpoint-deleted", "log-deleted", "log-first-page-zeroed"])
+def test_puts_after_a_lost_index_file_never_overwrite_the_records_it_named(tmp_path, damage):
+    cfg, keys = make_pool(tmp_path)
+    damage_index(tmp_path / "idx", damage)
+    more = context_keys(40, seed=9)
+    with KVPool.open(cfg) as pool:
+        assert pool.put_many({k: tensor_for(k) for k in more}) == len(more)
+    assert served_intact(cfg, keys + more) == len(keys) + len(more)
+    assert main(["pool", "fsck", "--rebuild", str(write_config(tmp_path, cfg))]) == 0
+
+
+def write_config(tmp_path, cfg):
+    import yaml
+    path = tmp_path / "kvflow.yaml"
+    path.write_text(yaml.safe_dump({"pool": cfg}))
+    return path
 
 
 def test_a_damaged_record_is_the_only_one_that_goes(tmp_path):
