@@ -138,3 +138,20 @@ def test_fsck_rebuild_reports_what_it_found(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert f"{len(keys)} indexed" in out and "0 bad" in out
     assert main(["pool", "fsck", str(tmp_path / "kvflow.yaml"), "--rebuild", "--dry-run"]) == 2
+
+
+def test_fsck_counts_the_records_on_the_devices_that_the_index_does_not_name(tmp_path, capsys):
+    cfg, keys = make_pool(tmp_path)
+    with KVPool.open(cfg) as pool:
+        assert pool.fsck(repair=False, scan=True)["unindexed"] == 0
+        lost = [(d, dev) for d, dev, *_ in pool.entries() if dev != 2][:5]     # memory rows are not scanned
+        with pool._state.lock:                                                # the index forgets 5 rows
+            for d, _ in lost:
+                pool._state.table.remove(d)
+        assert pool.fsck(repair=False, scan=True)["unindexed"] == 5
+    path = write_config(tmp_path, cfg)               # the closing checkpoint made the forgetting durable
+    assert main(["pool", "fsck", str(path)]) == 0
+    assert "5 intact records on the devices are not in the index" in capsys.readouterr().out
+    assert main(["pool", "fsck", "--rebuild", str(path)]) == 0
+    assert "not in the index" not in capsys.readouterr().out
+    assert served_intact(cfg, keys) == len(keys)

@@ -128,12 +128,15 @@ def fsck(config: Optional[Path] = ConfigArg,
             found = pool.rebuild()
             Console().print(f"rebuilt the index from {found['devices']} devices: {found['found']} intact records "
                             f"found, {found['bad']} damaged skipped; {found['records']} indexed")
-        report = pool.fsck(repair=not dry_run)
+        report = pool.fsck(repair=not dry_run, scan=True)
     for bad in report["bad"]:
         Console().print(f"bad record {bad['key']} on {bad['device']} at {bad['offset']}: {bad['error']}")
     verb = "dropped" if report["repaired"] else "found"
     Console().print(f"checked {report['checked']} records ({report['bytes'] / (1 << 20):.1f} MiB): "
                     f"{len(report['bad'])} bad {verb}, {report['overlaps']} overlapping extents")
+    if report["unindexed"]:
+        Console().print(f"{report['unindexed']} intact records on the devices are not in the index (evicted ones "
+                        f"whose space was not reused yet, or lost from the index: fsck --rebuild brings them back)")
     if report["bad"] or report["overlaps"]:
         raise SystemExit(1)   # not typer.Exit: click returns (not raises) it when main() runs non-standalone
 

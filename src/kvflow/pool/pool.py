@@ -493,11 +493,12 @@ class KVPool:
         with self._state.lock:
             return [(d, e.dev, e.offset, e.length, e.seq) for d, e in self._state.table.items()]
 
-    def fsck(self, repair: bool = True) -> dict:
+    def fsck(self, repair: bool = True, scan: bool = False) -> dict:
         """Read and verify every record (header, checksum, key digest, sequence). Bad ones are reported and, with
-        ``repair`` on a writable pool, dropped. Also checks that no two rows share an extent."""
+        ``repair`` on a writable pool, dropped. Also checks that no two rows share an extent; with ``scan`` counts
+        the intact records on the devices that the index does not name (``unindexed``)."""
         with self._running():
-            return fsck(self._state, repair)
+            return fsck(self._state, repair, scan)
 
     def rebuild(self) -> dict:
         """Rebuild the index from the devices' own record headers (each record verified, newest sequence per key
