@@ -256,3 +256,15 @@ def test_a_standalone_redis_where_a_cluster_is_expected_is_one_error_line(tmp_pa
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and "Traceback" not in done.stderr and len(lines) == 1, done.stderr
     assert "not a cluster" in lines[0] and "cluster: false" in lines[0]
+
+
+@pytest.mark.parametrize("argv", [["init"], ["init", "--force"], ["probe"], ["fsck"], ["fsck", "--rebuild"]])
+def test_every_writing_admin_command_is_refused_beside_a_live_writer(tmp_path, capsys, argv):
+    cfg = cfg_for(tmp_path)
+    keys = context_keys(6)
+    path = write_yaml(tmp_path, cfg)
+    with KVPool.open(cfg) as pool:
+        pool.put_many({k: tensor_for(k) for k in keys})
+        assert main(["pool", argv[0], str(path), *argv[1:]]) == 2
+        one_error_line(capsys, "open for writing")
+    assert served(cfg, keys) == len(keys)

@@ -13,7 +13,6 @@ import pytest
 
 from kvflow.pool import journal as journal_mod
 from kvflow.pool.allocator import ExtentAllocator
-from kvflow.pool.journal import Journal
 
 from . import crash_writer
 from .crash_writer import violations

@@ -24,9 +24,9 @@ from dataclasses import replace
 import torch
 
 from kvflow.errors import ConfigError, RecordError
-from kvflow.pool.devices.signatures import looks_like_data
 from kvflow.pool.devices.base import (SUPERBLOCK, Device, Owner, aligned_empty, file_size, flock_writer, not_a_device,
                                       into, pack_owner, padded, parse_owner, parse_superblock)
+from kvflow.pool.devices.signatures import looks_like_data
 
 log = logging.getLogger("kvflow.pool")
 
