@@ -103,13 +103,20 @@ def test_a_capacity_larger_than_the_free_space_is_an_error_at_init(tmp_path):
     assert not (tmp_path / "disk.img").exists(), "nothing left behind"
 
 
-def test_init_force_formats_what_it_is_told_to(tmp_path, capsys):
+def test_init_force_formats_an_idle_pools_device_and_never_an_ordinary_file(tmp_path, capsys):
     (tmp_path / "disk.img").write_bytes(b"old bytes" * 100)
     (tmp_path / "kvflow.yaml").write_text(yaml.safe_dump({"pool": cfg_for(tmp_path)}))
+    for force in ([], ["--force"]):
+        assert main(["pool", "init", str(tmp_path / "kvflow.yaml"), *force]) == 2
+        err = capsys.readouterr().err
+        assert "not a kvflow device" in err and "--force" not in err.replace("--force formats", "")
+    assert (tmp_path / "disk.img").read_bytes() == b"old bytes" * 100, "left exactly as it was"
+    (tmp_path / "disk.img").unlink()
+    fill(cfg_for(tmp_path, index="other-idx"))             # an idle device another pool owns: --force takes it
     assert main(["pool", "init", str(tmp_path / "kvflow.yaml")]) == 2
-    assert "not a kvflow device" in capsys.readouterr().err
     assert main(["pool", "init", str(tmp_path / "kvflow.yaml"), "--force"]) == 0
-    assert parse_owner((tmp_path / "disk.img").read_bytes()[:SUPERBLOCK]) is not None
+    owner = parse_owner((tmp_path / "disk.img").read_bytes()[:SUPERBLOCK])
+    assert owner is not None and owner.index_dir == str(tmp_path / "idx")
 
 
 def test_a_short_direct_write_is_resubmitted_from_an_aligned_page(tmp_path, monkeypatch):

@@ -135,8 +135,12 @@ def test_yaml_file_with_env_override_and_relative_paths(tmp_path, monkeypatch):
     ({"devices": [{"type": "tape", "capacity": 1}]}, "unknown device type 'tape'"),
     ({"devices": [{"type": "extent"}]}, r"pool.devices\[0\].path: required"),
     ({"devices": [{"type": "memory", "capacity": "lots"}]}, "expected int"),
-    ({"devices": [{"type": "files", "path": "x", "capacity": 1}]}, "index_dir: required"),
-    ({"durability": "sometimes", "devices": [{"type": "memory", "capacity": 1}]}, "strict or relaxed"),
+    ({"devices": [{"type": "files", "path": "x", "capacity": "1M"}]}, "index_dir: required"),
+    ({"durability": "sometimes", "devices": [{"type": "memory", "capacity": "1M"}]}, "strict or relaxed"),
+    ({"devices": [{"type": "memory", "capacity": 1000}]}, "capacity: must be at least 4K"),
+    ({"wal_compact_bytes": -1, "devices": [{"type": "memory", "capacity": "1M"}]}, "wal_compact_bytes: must be 0"),
+    ({"index_dir": "", "devices": [{"type": "files", "path": "x", "capacity": "1M"}]}, "names no folder"),
+    ({"index_dir": ".", "devices": [{"type": "files", "path": "x", "capacity": "1M"}]}, "names no folder"),
     ({"devices": [{"type": "memory", "capacity": 1, "colour": "red"}]}, "unknown key 'colour'"),
 ])
 def test_an_invalid_config_is_one_clear_error(bad, message):

@@ -4,6 +4,7 @@ record whose own bytes are damaged disappears, and fsck right after recovery is 
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -48,11 +49,37 @@ def flip(path, pos):
     flip_byte(path, pos, 0x10)
 
 
-@pytest.mark.parametrize("damage", ["checkpoint", "log-entry", "manifest", "index-folder"])
+DAMAGES = ["checkpoint", "log-entry", "manifest", "index-folder", "checkpoint-deleted", "log-deleted",
+           "log-first-page-zeroed", "device-id-changed"]
+
+
+def damage_index(idx, damage):
+    if damage == "checkpoint-deleted":
+        (idx / "checkpoint").unlink()
+    elif damage == "log-deleted":
+        for wal in idx.glob("wal.*"):
+            wal.unlink()
+    elif damage == "log-first-page-zeroed":
+        wal = max(idx.glob("wal.*"), key=lambda p: p.stat().st_size)
+        with open(wal, "r+b") as f:
+            f.write(bytes(min(4096, wal.stat().st_size)))
+    elif damage == "device-id-changed":
+        manifest = json.loads((idx / "manifest.json").read_text())
+        for d in manifest["devices"]:
+            d["id"] += 7
+        (idx / "manifest.json").write_text(json.dumps(manifest))
+    else:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_index_is_rebuilt_from_the_records(tmp_path, damage):
     cfg, keys = make_pool(tmp_path)
     idx = tmp_path / "idx"
-    if damage == "checkpoint":
+    if damage_index(idx, damage):
+        pass
+    elif damage == "checkpoint":
         flip(idx / "checkpoint", 100)
     elif damage == "log-entry":
         wal = max(idx.glob("wal.*"), key=lambda p: p.stat().st_size)
@@ -62,6 +89,24 @@ def test_a_damaged_index_is_rebuilt_from_the_records(tmp_path, damage):
     else:
         shutil.rmtree(idx)
     assert served_intact(cfg, keys) == len(keys)
+
+
+@pytest.mark.parametrize("damage", ["checkpoint-deleted", "log-deleted", "log-first-page-zeroed"])
+def test_puts_after_a_lost_index_file_never_overwrite_the_records_it_named(tmp_path, damage):
+    cfg, keys = make_pool(tmp_path)
+    damage_index(tmp_path / "idx", damage)
+    more = context_keys(40, seed=9)
+    with KVPool.open(cfg) as pool:
+        assert pool.put_many({k: tensor_for(k) for k in more}) == len(more)
+    assert served_intact(cfg, keys + more) == len(keys) + len(more)
+    assert main(["pool", "fsck", "--rebuild", str(write_config(tmp_path, cfg))]) == 0
+
+
+def write_config(tmp_path, cfg):
+    import yaml
+    path = tmp_path / "kvflow.yaml"
+    path.write_text(yaml.safe_dump({"pool": cfg}))
+    return path
 
 
 def test_a_damaged_record_is_the_only_one_that_goes(tmp_path):
@@ -93,3 +138,20 @@ def test_fsck_rebuild_reports_what_it_found(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert f"{len(keys)} indexed" in out and "0 bad" in out
     assert main(["pool", "fsck", str(tmp_path / "kvflow.yaml"), "--rebuild", "--dry-run"]) == 2
+
+
+def test_fsck_counts_the_records_on_the_devices_that_the_index_does_not_name(tmp_path, capsys):
+    cfg, keys = make_pool(tmp_path)
+    with KVPool.open(cfg) as pool:
+        assert pool.fsck(repair=False, scan=True)["unindexed"] == 0
+        lost = [(d, dev) for d, dev, *_ in pool.entries() if dev != 2][:5]     # memory rows are not scanned
+        with pool._state.lock:                                                # the index forgets 5 rows
+            for d, _ in lost:
+                pool._state.table.remove(d)
+        assert pool.fsck(repair=False, scan=True)["unindexed"] == 5
+    path = write_config(tmp_path, cfg)               # the closing checkpoint made the forgetting durable
+    assert main(["pool", "fsck", str(path)]) == 0
+    assert "5 intact records on the devices are not in the index" in capsys.readouterr().out
+    assert main(["pool", "fsck", "--rebuild", str(path)]) == 0
+    assert "not in the index" not in capsys.readouterr().out
+    assert served_intact(cfg, keys) == len(keys)

@@ -18,6 +18,15 @@ Trial kinds (DESIGN.md §6, issue 10):
   enospc-init / enospc-put          a capacity larger than the file system at init; puts into a sparse extent
                                     file until the file system is full
   eio                               the file system fails under a running writer (shutdown: every I/O is EIO)
+  force-init-live-writer            ``pool init --force`` while a strict writer has the pool open (issue 37 table)
+  force-init-refused-late           ``init --force`` on a config refused for its last entry: nothing deleted first
+  force-init-ordinary-file          an ordinary file named as an extent: refused with and without --force
+  shared-index-dir / empty-index-dir  two configs on one index_dir; index_dir "", "." or KVFLOW_POOL_INDEX_DIR=
+  corrupt-checkpoint-deleted / -wal-deleted / -wal-first-page-zeroed / -manifest-device-id-changed (and the
+  first two -then-puts: 40 more batches before the check)
+  signature-block-device            a loop device with a btrfs signature at 64 KiB, first page zero (root only)
+  enospc-one-put                    ENOSPC on one put: the device stays in service, its records are served
+  close-racing-put                  close() while three threads put
 
 For each trial: acknowledged puts lost, wrong records served, intact records lost, and whether ``fsck`` right
 after recovery is clean. Loop devices, mounts and their images are always torn down. Trials that need root or
@@ -38,6 +47,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -327,7 +337,9 @@ def _lost_batches(cfg: dict, acked: dict[int, float]) -> list[int]:
 # -- (c) corruption matrix ------------------------------------------------------------------------------------
 DAMAGES = ("payload-bitflip", "header-bitflip", "zeroed-page", "truncated-extent", "swapped-records",
            "checkpoint-bitflip", "wal-bitflip", "manifest-garbage", "superblock-zeroed", "index-deleted",
-           "record-file-deleted", "memory-page-zeroed")
+           "record-file-deleted", "memory-page-zeroed", "checkpoint-deleted", "wal-deleted", "wal-first-page-zeroed",
+           "manifest-device-id-changed", "checkpoint-deleted-then-puts", "wal-deleted-then-puts")
+LATE_PUTS = 40          # "-then-puts": batches put after the damage, before the check (they reuse freed extents)
 
 
 def _built_pool(root: Path, batches: int = 15) -> tuple[dict, list[tuple]]:
@@ -416,6 +428,25 @@ def damage(kind: str, cfg: dict, rows: list[tuple], rng: random.Random) -> set[b
     if kind == "index-deleted":
         shutil.rmtree(idx)
         return set()
+    if kind == "checkpoint-deleted":
+        (idx / "checkpoint").unlink()
+        return set()
+    if kind == "wal-deleted":
+        for path in idx.glob("wal.*"):
+            path.unlink()
+        return set()
+    if kind == "wal-first-page-zeroed":
+        path = max(idx.glob("wal.*"), key=lambda p: p.stat().st_size)
+        _zero(path, 0, min(4096, path.stat().st_size))
+        return set()
+    if kind == "manifest-device-id-changed":
+        manifest = json.loads((idx / "manifest.json").read_text())
+        top = max(d["id"] for d in manifest["devices"])
+        for d in manifest["devices"]:
+            if d["name"].startswith("extent:"):
+                d["id"] = top + 1
+        (idx / "manifest.json").write_text(json.dumps(manifest))
+        return set()
     if kind == "record-file-deleted":
         d, _, off, n, _ = rng.choice(on["files"])
         (files / f"{(off >> 12) & 0xff:02x}" / f"{off:x}.kvr").unlink()
@@ -430,8 +461,15 @@ def corruption_trials(root: Path, repeats: int, seed: int, kinds=DAMAGES) -> lis
         for kind in kinds:
             folder = root / f"corrupt-{kind}-{r}"
             cfg, rows = _built_pool(folder, batches)
-            damaged = damage(kind, cfg, rows, rng)
-            trial = check(cfg, list(range(batches)), list(range(batches)), damaged)
+            damaged = damage(kind.removesuffix("-then-puts"), cfg, rows, rng)
+            acked = list(range(batches))
+            if kind.endswith("-then-puts"):        # new puts before anyone looks: a late --rebuild must still work
+                late = list(range(1000, 1000 + LATE_PUTS))
+                with KVPool.open(cfg) as pool:
+                    for b in late:
+                        pool.put_many({k: record_for(k) for k in batch_keys(b)})
+                acked += late
+            trial = check(cfg, acked, acked, damaged)
             trial.kind = f"corrupt-{kind}"
             trial.acked_lost = trial.intact_lost        # every record was acknowledged; damaged ones may go
             out.append(trial)
@@ -543,6 +581,251 @@ def eio_trials(root: Path, repeats: int, seed: int) -> list[Trial]:
     return out
 
 
+# -- (f) admin commands, shared index folders, a full device, close racing puts (issue 37) ----------------------
+ADMIN = ("force-init-live-writer", "force-init-refused-late", "force-init-ordinary-file", "shared-index-dir",
+         "empty-index-dir", "enospc-one-put", "close-racing-put", "signature-block-device")
+
+
+def _init(cfg: dict, folder: Path, force: bool) -> tuple[int, str]:
+    """``kvflow pool init [--force]`` on ``cfg`` written as a YAML file, in a child (its exit code, stderr)."""
+    import yaml
+    path = folder / "kvflow.yaml"
+    path.write_text(yaml.safe_dump({"pool": cfg}))
+    done = subprocess.run([sys.executable, "-m", "kvflow", "pool", "init", str(path), *(["--force"] * force)],
+                          capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stderr
+
+
+def _refused(rc: int, err: str, t: Trial, what: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    if rc != 2 or len(lines) != 1 or "Traceback" in err:
+        t.fsck_clean = False
+        t.note = f"{what}: rc {rc}, {len(lines)} stderr lines: {err.strip()[-160:]}"
+    else:
+        t.note = f"refused: {lines[0][:160]}"
+
+
+def _stored(cfg: dict, batches: list[int]) -> None:
+    with KVPool.open(cfg) as pool:
+        for b in batches:
+            assert pool.put_many({k: record_for(k) for k in batch_keys(b)}) == BATCH
+
+
+def admin_trials(root: Path, repeats: int, kinds=ADMIN) -> list[Trial]:
+    out = []
+    for r in range(repeats):
+        for kind in kinds:
+            folder = root / f"{kind}-{r}"
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                t = _ADMIN[kind](folder)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            if t is not None:
+                t.kind = kind
+                out.append(t)
+    return out
+
+
+def _force_init_live_writer(folder: Path) -> Trial:
+    """``init --force`` while a strict writer has the pool open: refused, and every acknowledged put survives."""
+    cfg = pool_cfg(folder, "strict", capacity=512 << 20, memory=False)     # sparse, and never full: no eviction
+    ack = folder / "ack"
+    p = context().Process(target=writer.write_forever, args=(cfg, str(ack), 0, 100_000))
+    p.start()
+    deadline = time.monotonic() + 30
+    while _lines(ack) < 20 and time.monotonic() < deadline and p.is_alive():
+        time.sleep(0.01)
+    rc, err = _init(cfg, folder, force=True)
+    p.kill()
+    p.join()
+    got, _, _ = parse_acks(ack)
+    t = check(cfg, list(range(max(got, default=0) + 2)), list(got))
+    _refused(rc, err, t, "init --force beside a live writer")
+    return t
+
+
+def _force_init_refused_late(folder: Path) -> Trial:
+    """A config refused for its last entry (a files folder with other files; an index_dir with other files):
+    nothing it names is deleted first."""
+    cfg = pool_cfg(folder, "strict", capacity=8 << 20, memory=False)
+    batches = list(range(10))
+    _stored(cfg, batches)
+    t = Trial("")
+    for spoil in ("files", "index"):
+        bad = dict(cfg)
+        if spoil == "files":
+            other = folder / "other-files"
+            other.mkdir(exist_ok=True)
+            (other / "notes.txt").write_text("mine")
+            bad["devices"] = [cfg["devices"][0], {**cfg["devices"][1], "path": str(other)}]
+        else:
+            (Path(cfg["index_dir"]) / "notes.txt").write_text("mine")
+        rc, err = _init(bad, folder, force=True)
+        _refused(rc, err, t, f"init --force with a spoilt {spoil}")
+        if spoil == "index":
+            (Path(cfg["index_dir"]) / "notes.txt").unlink()
+    found = check(cfg, batches, batches)
+    found.fsck_clean &= t.fsck_clean
+    found.note = t.note if t.fsck_clean else t.note + "; " + found.note
+    return found
+
+
+def _force_init_ordinary_file(folder: Path) -> Trial:
+    """An ordinary file named as an extent: refused with and without --force, its bytes unchanged."""
+    cfg = pool_cfg(folder, "strict", capacity=8 << 20, memory=False)
+    data = b"important notes\n" * 1000
+    Path(cfg["devices"][0]["path"]).write_bytes(data)
+    t = Trial("", acked=1)
+    for force in (False, True):
+        rc, err = _init(cfg, folder, force)
+        _refused(rc, err, t, f"init{' --force' if force else ''} on an ordinary file")
+        if "--force" in err.replace("--force formats", ""):
+            t.fsck_clean, t.note = False, f"the refusal suggests --force: {err.strip()[:160]}"
+    if Path(cfg["devices"][0]["path"]).read_bytes() != data:
+        t.intact_lost = t.acked_lost = 1
+    return t
+
+
+def _shared_index_dir(folder: Path) -> Trial:
+    """A second config with the same index_dir and other devices is refused; the first pool loses nothing."""
+    a = pool_cfg(folder / "a", "strict", capacity=8 << 20, memory=False)
+    b = pool_cfg(folder / "b", "strict", capacity=8 << 20, memory=False)
+    b["index_dir"] = a["index_dir"]
+    batches = list(range(30))
+    _stored(a, batches)
+    t = Trial("")
+    try:
+        with KVPool.open(b) as pool:
+            pool.put_many({k: record_for(k) for k in batch_keys(500)})
+        t.fsck_clean, t.note = False, "the second config opened the first pool's index"
+    except KVFlowError as err:
+        t.note = f"refused: {str(err)[:160]}"
+    found = check(a, batches, batches)
+    found.fsck_clean &= t.fsck_clean
+    found.note = t.note
+    return found
+
+
+def _empty_index_dir(folder: Path) -> Trial:
+    """index_dir "", "." and KVFLOW_POOL_INDEX_DIR= are errors, never the config's own folder."""
+    t = Trial("")
+    cfg = pool_cfg(folder, "strict", capacity=8 << 20, memory=False)
+    for value in ("", ".", "env"):
+        env = {**os.environ, "KVFLOW_POOL_INDEX_DIR": ""} if value == "env" else None
+        bad = cfg if value == "env" else {**cfg, "index_dir": value}
+        import yaml
+        path = folder / "kvflow.yaml"
+        path.write_text(yaml.safe_dump({"pool": bad}))
+        done = subprocess.run([sys.executable, "-m", "kvflow", "pool", "init", str(path)], capture_output=True,
+                              text=True, timeout=120, env=env)
+        _refused(done.returncode, done.stderr, t, f"index_dir {value!r}")
+        if not t.fsck_clean:
+            break
+    return t
+
+
+def _enospc_one_put(folder: Path) -> Trial:
+    """ENOSPC on one put (fault injected at the device): that put fails; the device stays in service and every
+    record stored before is still served."""
+    import errno
+    cfg = pool_cfg(folder, "strict", capacity=8 << 20, memory=False)
+    cfg["devices"] = [cfg["devices"][0]]
+    batches = list(range(20))
+    t = Trial("", acked=len(batches) * BATCH)
+    with KVPool.open(cfg) as pool:
+        for b in batches:
+            pool.put_many({k: record_for(k) for k in batch_keys(b)})
+        device = pool.slots[0].device.inner
+        real = device.commit
+
+        def full(offset, buf):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        device.commit = full
+        try:
+            pool.put_many({k: record_for(k) for k in batch_keys(999)})
+            t.note = "a put on a full device was acknowledged"
+            t.fsck_clean = False
+        except KVFlowError as err:
+            t.note = f"the put raised: {str(err)[:120]}"
+        finally:
+            device.commit = real
+        keys = [k for b in batches for k in batch_keys(b)]
+        got = pool.get_many(keys)
+        t.intact_lost = t.acked_lost = sum(v is None for v in got.values())
+        t.wrong_served = sum(1 for k in keys if got[k] is not None and not torch.equal(got[k], record_for(k)))
+        if not pool.stats()["devices"][0]["healthy"]:
+            t.fsck_clean, t.note = False, "the device was taken out of service"
+    return t
+
+
+def _close_racing_put(folder: Path) -> Trial:
+    """close() while threads put: each put is stored or refused with a KVFlowError, never a raw error; every
+    acknowledged put survives the reopen."""
+    import threading
+    cfg = pool_cfg(folder, "strict", capacity=16 << 20, memory=False)
+    pool = KVPool.open(cfg)
+    acked, raw, lock = [], [], threading.Lock()
+
+    def put(first: int) -> None:
+        for b in range(first, first + 50):
+            try:
+                if pool.put_many({k: record_for(k) for k in batch_keys(b)}) == BATCH:
+                    with lock:
+                        acked.append(b)
+            except KVFlowError:
+                return
+            except Exception as err:  # noqa: BLE001 — what the trial is looking for
+                raw.append(f"{type(err).__name__}: {err}")
+                return
+    threads = [threading.Thread(target=put, args=(i * 100,)) for i in range(3)]
+    for th in threads:
+        th.start()
+    time.sleep(random.uniform(0.01, 0.2))
+    pool.close()
+    for th in threads:
+        th.join()
+    t = check(cfg, [b for i in range(3) for b in range(i * 100, i * 100 + 50)], acked)
+    if raw:
+        t.fsck_clean, t.note = False, f"raw error: {raw[0][:160]}"
+    return t
+
+
+def _signature_block_device(folder: Path) -> Trial | None:
+    """A block device whose first page is zero but which carries a btrfs signature at 64 KiB: init refuses it and
+    writes nothing. Skipped (no trial) without root and loop devices."""
+    if os.geteuid() != 0 or not shutil.which("losetup"):
+        return None
+    img = folder / "fs.img"
+    with open(img, "wb") as f:
+        f.truncate(32 << 20)
+        f.seek(65536 + 64)
+        f.write(b"_BHRfS_M")
+    before = img.read_bytes()
+    try:
+        loop = _run("losetup", "-f", "--show", str(img)).strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    t = Trial("", acked=1)
+    try:
+        cfg = {"index_dir": str(folder / "idx"), "chunk_tokens": 16,
+               "devices": [{"type": "extent", "path": loop, "bandwidth": "1G", "direct": False}]}
+        for force in (False, True):
+            rc, err = _init(cfg, folder, force)
+            _refused(rc, err, t, f"init{' --force' if force else ''} on a block device with a btrfs signature")
+    finally:
+        subprocess.run(["losetup", "-d", loop], check=False, timeout=20)
+    if img.read_bytes() != before:
+        t.acked_lost = t.intact_lost = 1
+    return t
+
+
+_ADMIN = {"force-init-live-writer": _force_init_live_writer, "force-init-refused-late": _force_init_refused_late,
+          "force-init-ordinary-file": _force_init_ordinary_file, "shared-index-dir": _shared_index_dir,
+          "empty-index-dir": _empty_index_dir, "enospc-one-put": _enospc_one_put,
+          "close-racing-put": _close_racing_put, "signature-block-device": _signature_block_device}
+
+
 # -- the campaign ---------------------------------------------------------------------------------------------
 def passed(t: Trial) -> bool:
     """The acceptance of issue 10 for one trial: never a wrong record, fsck clean after recovery; strict (and
@@ -585,6 +868,8 @@ def _disk_phase(root: Path, power_cuts: int, corruption_repeats: int, seed: int,
     trials += corruption_trials(root, corruption_repeats, seed)
     progress("two pools on one device")
     trials += two_pool_trials(root, max(1, corruption_repeats))
+    progress("admin commands, shared index folders, a full device, close racing puts")
+    trials += admin_trials(root, max(1, corruption_repeats))
     why = can_mount()
     if why:
         return trials, [f"power cuts, ENOSPC and EIO skipped: {why}"]

@@ -60,6 +60,14 @@ def test_generated_input_is_accepted_or_refused_with_one_line(case, checkpoint, 
          config={"index_dir": "idx", "devices": [{"type": "extent", "path": "d.img", "capacity": "1M"}]}),
     Case(["pool", "init"], config={"index_dir": "afile/idx", "devices": [
         {"type": "extent", "path": "d.img", "capacity": "1M"}]}),
+    Case(["pool", "init"], config={"index_dir": "idx", "devices": [
+        {"type": "memory", "capacity": "1M"}, {"type": "remote", "url": "redis://127.0.0.1:1", "timeout_s": 0.2}]}),
+    Case(["pool", "init"], config={"index_dir": "", "devices": [{"type": "extent", "path": "d.img", "capacity": "1M"}]}),
+    Case(["pool", "init"], config={"index_dir": "idx", "devices": [{"type": "memory", "capacity": 1000}]}),
+    Case(["pool", "init"], config={"index_dir": "idx", "wal_compact_bytes": -1, "devices": [
+        {"type": "memory", "capacity": "1M"}]}),
+    Case(["pool", "probe", "--size", "-5M"], config={"index_dir": "idx", "devices": [
+        {"type": "extent", "path": "d.img", "capacity": "2M"}]}),
     Case(["profile", "tiny"], env={"KVFLOW_TORCH_THREADS": "abc"}),
     Case(["profile", "tiny"], env={"KVFLOW_TORCH_THREADS": "99999"}),
     Case(["profile", "tiny"], env={"KVFLOW_HOME": "afile/home"}),
@@ -67,7 +75,8 @@ def test_generated_input_is_accepted_or_refused_with_one_line(case, checkpoint, 
     Case(["profile", "ck-truncated"]),
     Case(["profile", "tiny", "--show"], profile={"model": "tiny", "a": "fast"}),
     Case(["demo", "restore", "--model", "tiny", "--context", "300000000"]),
-], ids=["capacity-infG", "size-abc", "interval-inf", "index-under-a-file", "threads-abc", "threads-99999",
+], ids=["capacity-infG", "size-abc", "interval-inf", "index-under-a-file", "remote-unreachable", "index-dir-empty",
+        "capacity-1000", "wal-compact-negative", "probe-size-negative", "threads-abc", "threads-99999",
         "home-under-a-file", "malloc-tcmalloc", "truncated-safetensors", "profile-wrong-type", "context-300M"])
 def test_the_reported_cases_are_one_line_errors(case, checkpoint, profile_name):
     with tempfile.TemporaryDirectory(prefix="kvflow-bad-input-") as root:

@@ -61,52 +61,29 @@ def init(config: Path = typer.Argument(..., help="pool config (YAML/TOML) to cre
                                                           "exist (everything stored on them is lost)")) -> None:
     """Create every device (preallocated extents, device headers), the index, and probe bandwidths. Existing files
     that are not this pool's devices are refused, never overwritten, unless --force."""
+    import logging
     if force:
         _format(config)
-    with _open(config) as pool:
+    pool_log = logging.getLogger("kvflow.pool")
+    level = pool_log.level
+    pool_log.setLevel(logging.ERROR)        # a store down is this command's one error line, not a warning before it
+    try:
+        pool = _open(config)
+    finally:
+        pool_log.setLevel(level)
+    with pool:
+        for s in pool.slots:
+            if why := getattr(s.device.inner, "unreachable", ""):     # serving starts without it; creating does not
+                raise ConfigError(f"{why}: the store does not answer; check its address, or start it first")
         _show("pool created", pool.stats())
 
 
 def _format(config: Path) -> None:
-    """--force: remove what the config names so init creates it anew — extent and memory files (a block device's
-    superblocks are zeroed), kvflow files-device folders and the index folder."""
-    import shutil
-
+    """--force: check everything the config names and take every writer lock first (pool/format.py), then remove
+    it so init creates it anew; a refusal deletes nothing."""
     from kvflow.pool import PoolConfig
-    from kvflow.pool.devices.base import SUPERBLOCK
-    cfg = PoolConfig.load(_config(config))
-    for dev in cfg.devices:
-        if dev.path is None or not os.path.lexists(dev.path):
-            continue
-        path = Path(dev.path)
-        if dev.type == "files":
-            if not path.is_dir() or path.is_symlink():
-                raise ConfigError(f"{path} is not a folder; a files device is a folder")
-            if any(path.iterdir()) and not (path / ".kvflow-device").exists():
-                raise ConfigError(f"{path} is a folder with other files in it, not a kvflow files device; "
-                                  f"--force formats only kvflow devices and files — remove it yourself")
-            shutil.rmtree(path)
-        elif path.is_block_device():
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                size = os.lseek(fd, 0, os.SEEK_END)
-                for at in (0, size // SUPERBLOCK * SUPERBLOCK - SUPERBLOCK):
-                    os.pwrite(fd, bytes(SUPERBLOCK), at)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        elif path.is_dir():
-            raise ConfigError(f"{path} is a folder; a {dev.type} device is a file")
-        elif not path.is_file() or path.is_symlink():
-            raise ConfigError(f"{path} is not a regular file or a block device; --force formats only those")
-        else:
-            path.unlink()
-    if cfg.index_dir and os.path.isdir(cfg.index_dir):
-        idx = Path(cfg.index_dir)
-        ours = ("manifest.json", "checkpoint", "lock", "wal.", ".tmp")
-        if any(not any(p.name.startswith(o) or p.name.endswith(o) for o in ours) for p in idx.iterdir()):
-            raise ConfigError(f"{idx} holds other files, not a kvflow index; remove it yourself")
-        shutil.rmtree(idx)
+    from kvflow.pool.format import plan
+    plan(PoolConfig.load(_config(config))).run()
 
 
 @pool_app.command("stat")
@@ -126,9 +103,13 @@ def probe(config: Optional[Path] = ConfigArg,
           size: Optional[str] = typer.Option(None, help="bytes per device, e.g. 256M (default: config)")) -> None:
     """Measure every device's read/write bandwidth again (on free space) and store it for placement."""
     from kvflow.config import parse_size
+    from kvflow.pool.organizer import PROBE_CHUNK
+    nbytes = parse_size(size, "--size") if size is not None else None
+    if nbytes is not None and nbytes < PROBE_CHUNK:
+        raise ConfigError(f"--size: at least {PROBE_CHUNK >> 20}M per device, got {size!r}")
     with _open(config) as pool:
         for i in range(len(pool.stats()["devices"])):
-            if pool.probe(i, parse_size(size, "--size") if size else None) is None:
+            if pool.probe(i, nbytes) is None:
                 Console().print(f"device {i}: no free space to probe; kept its previous bandwidth")
         _show("pool probed", pool.stats())
 
@@ -147,12 +128,15 @@ def fsck(config: Optional[Path] = ConfigArg,
             found = pool.rebuild()
             Console().print(f"rebuilt the index from {found['devices']} devices: {found['found']} intact records "
                             f"found, {found['bad']} damaged skipped; {found['records']} indexed")
-        report = pool.fsck(repair=not dry_run)
+        report = pool.fsck(repair=not dry_run, scan=True)
     for bad in report["bad"]:
         Console().print(f"bad record {bad['key']} on {bad['device']} at {bad['offset']}: {bad['error']}")
     verb = "dropped" if report["repaired"] else "found"
     Console().print(f"checked {report['checked']} records ({report['bytes'] / (1 << 20):.1f} MiB): "
                     f"{len(report['bad'])} bad {verb}, {report['overlaps']} overlapping extents")
+    if report["unindexed"]:
+        Console().print(f"{report['unindexed']} intact records on the devices are not in the index (evicted ones "
+                        f"whose space was not reused yet, or lost from the index: fsck --rebuild brings them back)")
     if report["bad"] or report["overlaps"]:
         raise SystemExit(1)   # not typer.Exit: click returns (not raises) it when main() runs non-standalone
 

@@ -31,6 +31,7 @@ from kvflow.pool.devices.throttle import MAX_LATENCY_S
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PLACEMENTS = ("bandwidth", "equal", "overflow")
 REMOTE_PLACEMENTS = ("stripe", "copy")
+MIN_CAPACITY = 4096             # one page: a device's capacity is rounded down to whole pages
 
 
 @dataclass(slots=True)
@@ -62,7 +63,8 @@ class DeviceConfig:
                                          f"(known: {', '.join(sorted(DEVICE_TYPES))})")
         cls = DEVICE_TYPES[self.type]
         check(bool(self.path) or not cls.needs_path, f"{where}.path: required for a {self.type} device")
-        check(self.capacity is None or self.capacity > 0, f"{where}.capacity: must be positive")
+        check(self.capacity is None or self.capacity >= MIN_CAPACITY,
+              f"{where}.capacity: must be at least {MIN_CAPACITY // 1024}K (one page), got {self.capacity!r}")
         check(self.capacity is not None or not cls.needs_capacity,
               f"{where}.capacity: required for a {self.type} device")
         check(self.bandwidth is None or self.bandwidth > 0, f"{where}.bandwidth: must be positive bytes/s")
@@ -123,6 +125,8 @@ class PoolConfig:
         check(0 < self.checkpoint_interval_s <= 86400, "pool.checkpoint_interval_s: must be positive and at most a day "
                                                        f"(86400), got {self.checkpoint_interval_s!r}")
         check(self.probe_bytes >= 1 << 20, "pool.probe_bytes: must be at least 1M")
+        check(self.wal_compact_bytes >= 0, f"pool.wal_compact_bytes: must be 0 (compact at every interval) or "
+                                           f"positive bytes, got {self.wal_compact_bytes!r}")
         check(math.isfinite(self.probe_seconds) and 0 <= self.probe_seconds <= 60,
               "pool.probe_seconds: must be between 0 and 60")
         check(self.remote_placement in REMOTE_PLACEMENTS, f"pool.remote_placement: must be stripe or copy, "
@@ -133,6 +137,8 @@ class PoolConfig:
                 dev.password = dev.password or self.remote_password
         check(self.index_dir is not None or not any(d.persistent for d in self.devices),
               "pool.index_dir: required when a device has a path (its index must survive restarts)")
+        check(self.index_dir is None or os.path.normpath(self.index_dir.strip() or ".") != ".",
+              f"pool.index_dir: {self.index_dir!r} names no folder of its own (the index needs one: e.g. ./kvpool)")
 
     @property
     def dtype(self) -> torch.dtype:

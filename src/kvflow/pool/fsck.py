@@ -12,8 +12,11 @@ from kvflow.pool.index import Entry
 from kvflow.pool.state import PoolState
 
 
-def fsck(state: PoolState, repair: bool = True) -> dict:
-    """{checked, bytes, overlaps, bad: [{key, device, offset, error}], repaired}."""
+def fsck(state: PoolState, repair: bool = True, scan: bool = False) -> dict:
+    """{checked, bytes, overlaps, bad: [{key, device, offset, error}], repaired, unindexed}. With ``scan`` every
+    persistent device's record headers are read too (``recovery.scan_device``), and ``unindexed`` counts the intact
+    records there that the index does not name: records evicted or dropped whose extents were not yet reused, or
+    records an index file lost — ``fsck --rebuild`` brings those back."""
     with state.lock:
         rows = list(state.table.items())
         for _, e in rows:
@@ -47,5 +50,18 @@ def fsck(state: PoolState, repair: bool = True) -> dict:
                 drop(state, d, e, dels)
         log_and_discard(state, dels)
     return {"checked": len(rows), "bytes": sum(e.length for _, e in rows), "overlaps": overlaps,
+            "unindexed": _unindexed(state) if scan else None,
             "bad": [{"key": d.hex(), "device": state.slots[e.dev].device.name, "offset": e.offset, "error": err}
                     for d, e, err in bad], "repaired": repaired}
+
+
+def _unindexed(state: PoolState) -> int:
+    from kvflow.pool.recovery import scan_device
+    n = 0
+    for s in state.slots:
+        if s.id is None or not s.healthy:
+            continue
+        found, _ = scan_device(getattr(s.device, "inner", s.device), s.id)
+        with state.lock:
+            n += sum(1 for d, op in found.items() if (e := state.table.get(d)) is None or e.seq < op.seq)
+    return n

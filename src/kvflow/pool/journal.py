@@ -8,7 +8,9 @@
 A WAL entry: op (PUT/DEL), device id, key digest, offset, length, seq, payload checksum, xxh32 of the first 56
 bytes. Recovery = checkpoint + replay of every wal.<gen >= wal_from>, each entry judged by its own checksum (a
 damaged one is skipped, the rest replayed; a torn tail is where a crash cut the last write). When anything was
-skipped or the checkpoint or manifest does not verify, recovery rebuilds from the devices' record headers. Ordering rules the pool keeps: a record's data is written before its PUT is appended; a key's DEL
+skipped, the checkpoint or manifest does not verify, or a file the index must have is missing (the checkpoint
+once a manifest exists; a log generation between ``wal_from`` and the newest; a log whose first entry does not
+verify), recovery rebuilds from the devices' record headers. Ordering rules the pool keeps: a record's data is written before its PUT is appended; a key's DEL
 is appended before its extent can be handed out again; so any prefix of the log describes records that do not
 share extents. The allocator is then rebuilt from the recovered table, so index and allocator always agree.
 """
@@ -133,11 +135,12 @@ class Recovered:
     skipped: int = 0       # damaged entries inside the log, skipped one by one (their records may be on a device)
     manifest_ok: bool = True
     from_log: frozenset = frozenset()   # keys whose row came from the log, not the checkpoint (relaxed: unverified)
+    missing: str = ""      # an index file that should be there and is not (or starts damaged), e.g. "wal.00000003"
 
     @property
     def damaged(self) -> bool:
         """Something the index said is gone: only a scan of the devices' record headers can bring it back."""
-        return self.skipped > 0 or not self.checkpoint_ok or not self.manifest_ok
+        return self.skipped > 0 or not self.checkpoint_ok or not self.manifest_ok or bool(self.missing)
 
 
 class Journal:
@@ -235,20 +238,31 @@ class Journal:
             return None
 
     def _recover_once(self) -> Recovered | None:
+        had_index = (self.root / "manifest.json").exists()
         ckpt = self._read_checkpoint()
         gens = self._wal_gens()
         checkpoint_ok = ckpt is not None
+        missing = ""
         if ckpt is None:
             log.error("pool index %s: checkpoint does not verify; recovering from the log alone", self.root)
             ckpt = ({}, gens[0] if gens else 0, 0)
+        elif had_index and not (self.root / "checkpoint").exists():
+            missing = "checkpoint"       # written before the manifest at the first open: deleted since
         rows, wal_from, next_seq = ckpt
+        live = [g for g in gens if g >= wal_from]
+        if had_index and not missing:    # generations run wal_from, wal_from + 1, ... with no gap (each one created
+            #                              before the checkpoint that names it): a gap or none at all is a lost log
+            gap = next((g for g in range(wal_from, max(live, default=wal_from) + 1) if g not in live), None)
+            missing = "" if gap is None else self._wal_path(gap).name
         wal_bytes, torn, skipped, from_log = 0, False, 0, set()
-        for gen in (g for g in gens if g >= wal_from):
+        for gen in live:
             try:
                 data = self._wal_path(gen).read_bytes()
             except FileNotFoundError:
                 return None            # a writer compacted the log under us: start over
             ops, bad, cut = unpack_log(data)
+            if len(data) >= ENTRY_SIZE and _entry_at(data, 0) is None and not missing:
+                missing = f"{self._wal_path(gen).name} (its first entry does not verify)"   # zeroed, not torn
             for op in ops:
                 apply(rows, op)
                 next_seq = max(next_seq, op.seq + 1)
@@ -262,7 +276,7 @@ class Journal:
                     skipped += 1       # a sealed generation was fsynced whole: a cut inside one is damage
         self.gen = max([wal_from, *gens]) + 1   # the writer continues in a new generation after a checkpoint
         return Recovered(rows, next_seq, wal_bytes, torn, checkpoint_ok, skipped, self.manifest_ok,
-                         frozenset(from_log))
+                         frozenset(from_log), missing)
 
     # -- writing --------------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Iterable, Mapping
 
 import torch
@@ -54,6 +55,7 @@ log = logging.getLogger("kvflow.pool")
 _UNHEALTHY_AFTER = 3       # consecutive I/O errors before a device is taken out of service
 _REPROBE_S = 30.0          # a device out of service is tried again this long after it left
 _RETRIES = 2               # a transient I/O error is retried this many times before it counts
+_FULL = {errno.ENOSPC, errno.EDQUOT}   # a full disk: this put fails there, the device stays in service
 _TRANSIENT = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT}
 _DEFAULT_BW = 1e9          # assumed when a device was never probed (read-only open of an unprobed pool)
 
@@ -86,6 +88,9 @@ class KVPool:
         self._state = PoolState(cfg, readonly, Journal(cfg.index_dir, readonly) if cfg.index_dir else None)
         self._ckpt_lock = threading.Lock()
         self._closed = False
+        self._closing = False
+        self._inflight = 0                 # put_many / get_many / fsck / probe calls running: close() waits for them
+        self._idle = threading.Condition()
         self.synced_at = 0.0               # time.time() at which the last completed sync pass began: every put
         #                                    acknowledged before it is on stable storage (relaxed; strict: every put)
         self._sync_passes, self._sync_pass_max_s = 0, 0.0
@@ -129,6 +134,7 @@ class KVPool:
     def _open(self) -> None:
         st, cfg = self._state, self.cfg
         manifest = st.journal.read_manifest() if st.journal else {"devices": []}
+        self._check_index_is_ours(manifest)
         known = {d["name"]: d for d in manifest["devices"]}
         next_id = max((d["id"] for d in manifest["devices"]), default=-1) + 1
         for dcfg in cfg.devices:
@@ -174,6 +180,16 @@ class KVPool:
         self._placement = make_placement(cfg.placement,
                                          remote.weights(st, [s.read_bw if s.healthy else 0.0 for s in st.slots]))
 
+    def _check_index_is_ours(self, manifest: dict) -> None:
+        """An index folder belongs to one pool: the persistent devices its manifest records. A config that leaves
+        any of them out (another pool pointed at the same index_dir) would drop their rows: refused."""
+        ours = {d.name for d in self.cfg.devices if d.persistent}
+        theirs = [d["name"] for d in manifest["devices"] if d["name"] not in ours]
+        if theirs:
+            raise ConfigError(f"pool.index_dir {self.cfg.index_dir} is the index of a pool with device "
+                              f"{theirs[0].partition(':')[2] or theirs[0]}, which this config does not name; give "
+                              f"each pool its own index_dir (a pool's devices can be added to, never left out)")
+
     def _probe_missing(self) -> None:
         shared: dict[str, Bandwidth] = {}
         for i, s in enumerate(self._state.slots):
@@ -216,13 +232,32 @@ class KVPool:
         return bw
 
     # -- the API the rest of kvflow calls -------------------------------------------------------------------
+    @contextmanager
+    def _running(self):
+        """One public call in flight: close() refuses new ones and waits for these before it closes devices."""
+        with self._idle:
+            if self._closing:
+                raise KVFlowError("this pool is closed")
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
     def put_many(self, items: Mapping[ChunkKey, torch.Tensor], dtype: torch.dtype | None = None) -> int:
         """Store records (in the given order, which striping follows); keys already stored are kept as they are.
         Returns the number of records written. A full pool evicts least recently used records; a record that
         fits nowhere (every candidate pinned by readers) is skipped, never an error. A write or sync that fails:
         strict mode raises StoreError (naming the device and the cause; the records that were stored stay stored),
         relaxed mode returns the smaller count and counts the rest in ``put_errors``. Tensors on a device are
-        copied to the host first (records are host bytes)."""
+        copied to the host first (records are host bytes). A full disk (ENOSPC) fails this put's records on that
+        device, never the device: its records are still served and later puts may evict."""
+        with self._running():
+            return self._put_many(items, dtype)
+
+    def _put_many(self, items: Mapping[ChunkKey, torch.Tensor], dtype: torch.dtype | None) -> int:
         if self.readonly:
             raise KVFlowError("this pool is open read-only")
         items = {k: t.cpu() if isinstance(t, torch.Tensor) and t.device.type != "cpu" else t for k, t in items.items()}
@@ -458,10 +493,12 @@ class KVPool:
         with self._state.lock:
             return [(d, e.dev, e.offset, e.length, e.seq) for d, e in self._state.table.items()]
 
-    def fsck(self, repair: bool = True) -> dict:
+    def fsck(self, repair: bool = True, scan: bool = False) -> dict:
         """Read and verify every record (header, checksum, key digest, sequence). Bad ones are reported and, with
-        ``repair`` on a writable pool, dropped. Also checks that no two rows share an extent."""
-        return fsck(self._state, repair)
+        ``repair`` on a writable pool, dropped. Also checks that no two rows share an extent; with ``scan`` counts
+        the intact records on the devices that the index does not name (``unindexed``)."""
+        with self._running():
+            return fsck(self._state, repair, scan)
 
     def rebuild(self) -> dict:
         """Rebuild the index from the devices' own record headers (each record verified, newest sequence per key
@@ -516,6 +553,11 @@ class KVPool:
         self._sync_pass_max_s = max(self._sync_pass_max_s, time.time() - started)
 
     def close(self) -> None:
+        with self._idle:
+            if self._closing:
+                return
+            self._closing = True                  # new calls are refused; those in flight finish first
+            self._idle.wait_for(lambda: self._inflight == 0)
         if self._closed:
             return
         if self._bg is not None:
@@ -596,6 +638,13 @@ class KVPool:
     def _io_error(self, dev: int, err: Exception, what: str) -> None:
         st = self._state
         s = st.slots[dev]
+        if getattr(err, "errno", None) in _FULL:      # a full disk fails writes, not the device: reads go on
+            with st.lock:
+                s.counters["errors"] += 1
+                s.counters["full"] += 1
+            log.warning("pool: %s on %s: no space left; the records of this put there are not stored (the device "
+                        "stays in service)", what, s.device.name)
+            return
         with st.lock:
             s.counters["errors"] += 1
             s.errors_in_row += 1

@@ -109,14 +109,19 @@ def scan_device(device, ident: int) -> tuple[dict[bytes, Op], int]:
     return found, bad
 
 
-def claim_devices(state: PoolState, manifest: dict, trusted: bool) -> None:
+def claim_devices(state: PoolState, manifest: dict, trusted: bool) -> list[str]:
     """Refuse a device another pool owns; adopt one whose pool's index is this one or gone (a deleted or rebuilt
     index); then (writable) record this pool as every device's owner, generation + 1. ``manifest["pool_id"]`` becomes
-    the adopted pool's id, so the rebuilt index and its devices agree."""
+    the adopted pool's id, so the rebuilt index and its devices agree. Returns the devices of this pool whose id in
+    the manifest is not the one they record (a manifest edited or swapped: the index's rows cannot be trusted)."""
     here = os.path.abspath(state.cfg.index_dir)
     adopted = None
+    renumbered = []
     for s in state.slots:
         owner = getattr(s.device, "inner", s.device).owner
+        if s.id is not None and owner is not None and owner.pool_id == manifest["pool_id"] and \
+                owner.generation > 0 and owner.device_id != s.id:
+            renumbered.append(s.cfg.name)
         if s.id is None or owner is None or owner.pool_id in (_NO_POOL, manifest["pool_id"]):
             continue
         theirs = Path(owner.index_dir) / "manifest.json"
@@ -130,12 +135,13 @@ def claim_devices(state: PoolState, manifest: dict, trusted: bool) -> None:
         log.warning("pool index %s: adopting devices of pool %s (its index is gone)", here, adopted)
         manifest["pool_id"] = adopted
     if state.readonly:
-        return
+        return renumbered
     for s in state.slots:
         device = getattr(s.device, "inner", s.device)
         if s.id is not None:
             generation = device.owner.generation + 1 if device.owner is not None else 1
             device.claim(Owner(device.capacity, manifest["pool_id"], s.id, generation, here))
+    return renumbered
 
 
 def _pool_id(path: Path) -> str | None:
@@ -175,19 +181,23 @@ def recover(state: PoolState, rebuild: bool = False) -> ScanReport:
     journal = state.journal
     rec = journal.recover()
     manifest = journal.read_manifest()
-    claim_devices(state, manifest, trusted=journal.had_manifest and rec.manifest_ok)
+    renumbered = claim_devices(state, manifest, trusted=journal.had_manifest and rec.manifest_ok)
     known = {d["id"] for d in manifest["devices"]} if journal.had_manifest else set()
     slots = state.slots
     report = ScanReport()
-    scan_all = rebuild or rec.damaged
+    scan_all = rebuild or rec.damaged or bool(renumbered)
     report.reason = ("requested" if rebuild else "checkpoint does not verify" if not rec.checkpoint_ok else
                      "manifest does not verify" if not rec.manifest_ok else
+                     f"{rec.missing} is missing" if rec.missing else
+                     f"the manifest gives {renumbered[0]} another id than the device records" if renumbered else
                      f"{rec.skipped} damaged log entries" if rec.skipped else "")
     rows = dict(rec.rows)
     next_seq = rec.next_seq
-    for i, s in enumerate(slots):
-        if s.id is None or s.device.fresh or not (scan_all or s.id not in known):
-            continue
+    scanned = [s for s in slots if s.id is not None and not s.device.fresh and (scan_all or s.id not in known)]
+    if scan_all:      # rows under ids no device answers to now (a renumbered manifest) must not shadow the scan's
+        unscanned = {s.id for s in slots if s.id is not None} - {s.id for s in scanned}
+        rows = {d: op for d, op in rows.items() if op.dev in unscanned}
+    for s in scanned:
         report.reason = report.reason or "a device the index does not know"
         found, bad = scan_device(getattr(s.device, "inner", s.device), s.id)
         report.devices += 1
@@ -196,7 +206,7 @@ def recover(state: PoolState, rebuild: bool = False) -> ScanReport:
         rows = {d: op for d, op in rows.items() if op.dev != s.id}       # the device's own records are the truth
         for digest, op in found.items():
             cur = rows.get(digest)
-            if cur is None or cur.seq < op.seq:
+            if cur is None or cur.seq <= op.seq:
                 rows[digest] = op
             next_seq = max(next_seq, op.seq + 1)
     by_id = {s.id: i for i, s in enumerate(slots) if s.id is not None}

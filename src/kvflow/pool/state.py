@@ -23,7 +23,7 @@ from kvflow.pool.organizer import Bandwidth, effective
 
 POOL_COUNTERS = ("hits", "misses", "corrupt", "evictions", "put_records", "put_bytes", "put_skipped", "put_dropped",
                  "put_errors", "recovery_dropped", "recovery_conflicts", "lookup_calls")
-DEVICE_COUNTERS = ("reads", "read_bytes", "writes", "write_bytes", "errors", "evictions", "corrupt")
+DEVICE_COUNTERS = ("reads", "read_bytes", "writes", "write_bytes", "errors", "evictions", "corrupt", "full")
 
 
 @dataclass(slots=True)

@@ -121,8 +121,8 @@ def parse_owner(data: bytes) -> Owner | None:
 
 
 def not_a_device(path: str) -> ConfigError:
-    return ConfigError(f"{path} exists and is not a kvflow device; it is left untouched (remove it, or format it "
-                       f"with kvflow pool init --force)")
+    return ConfigError(f"{path} exists and is not a kvflow device; it is left untouched (kvflow formats only its own "
+                       f"devices and empty files: remove it yourself, or choose another path)")
 
 
 class Device(ABC):

@@ -5,8 +5,9 @@ allocator chose — no per-record files, no open/stat/close, no page cache on th
     [ superblock 4 KiB | data: capacity bytes, addressed by the pool as offsets 0 .. capacity | backup superblock ]
 
 The superblock names the owning pool (id, device id, generation, index folder) and is kept twice, so a zeroed first
-page is recovered from the last one. A file that exists without a kvflow superblock is refused, never zero-filled
-(``kvflow pool init --force`` formats it); a writer holds an flock on the device.
+page is recovered from the last one. A file that exists without a kvflow superblock is refused, never zero-filled,
+and so is a block device carrying a file system or partition signature or other non-zero bytes in its first or
+last MiB (``devices/signatures.py``); a writer holds an flock on the device.
 
 Works on a regular file (zero-filled once at creation so first writes do not allocate blocks) and on a block
 device, e.g. a loop device: ``losetup --direct-io=on --sector-size 4096 -f --show disk.img``.
@@ -25,6 +26,7 @@ import torch
 from kvflow.errors import ConfigError, RecordError
 from kvflow.pool.devices.base import (SUPERBLOCK, Device, Owner, aligned_empty, file_size, flock_writer, not_a_device,
                                       into, pack_owner, padded, parse_owner, parse_superblock)
+from kvflow.pool.devices.signatures import looks_like_data
 
 log = logging.getLogger("kvflow.pool")
 
@@ -40,6 +42,16 @@ def odirect_supported(folder: str | os.PathLike) -> bool:
     return True
 
 _ZERO_STEP = 8 << 20
+
+
+def _data_beyond_first_page(path: str, size: int) -> str | None:
+    """File system / partition signatures (btrfs and ISO 9660 leave the first page empty) or any non-zero byte in
+    the head or tail of a block device, read through the page cache (a probe, not a record read)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return looks_like_data(fd, size)
+    finally:
+        os.close(fd)
 
 
 class ExtentDevice(Device):
@@ -90,7 +102,10 @@ class ExtentDevice(Device):
                     self._pwrite_aligned(pack_owner(self.owner), 0)
         self.fresh = recorded is None
         if self.fresh and (any(head) or (have > 0 and not self.block_device)):
-            raise not_a_device(path)          # never zero-fill what may be someone's data (kvflow pool init --force)
+            raise not_a_device(path)          # never zero-fill what may be someone's data
+        if self.fresh and self.block_device and (why := _data_beyond_first_page(path, have)):
+            raise ConfigError(f"{path} is not a kvflow device and carries {why}; kvflow formats only an empty block "
+                              f"device — wipe it yourself (wipefs -a) if it is really unused")
         if self.block_device:
             self.capacity = min(self.cfg.capacity or have, have - 2 * SUPERBLOCK) // SUPERBLOCK * SUPERBLOCK
             if not self.fresh:

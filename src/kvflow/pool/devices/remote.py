@@ -133,10 +133,12 @@ class RemoteDevice(Device):
         self._client = None
         self.rounds = 0                          # pipelined rounds (all nodes in parallel) — tests count them
         self.reachable = True
+        self.unreachable = ""                    # why it did not answer at start (``kvflow pool init`` refuses then)
         try:
             self.client()
         except OSError as err:                   # unreachable at start: the pool starts without it, re-probes later
             self.reachable = False
+            self.unreachable = err.strerror or str(err)
             log.warning("pool: remote store %s unreachable (%s); starting without it, re-probing later",
                         self.name, err.strerror)
 
@@ -169,7 +171,10 @@ class RemoteDevice(Device):
                 client = redis.Redis(host=self.seeds[0][0], port=self.seeds[0][1], **opts)
             client.ping()
             return client
-        except redis.RedisError as err:
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as err:   # the latter: not a RedisError
+            if "cluster mode is not enabled" in str(err).lower():
+                raise ConfigError(f"{self.name}: this store is one server, not a cluster (cluster mode is not "
+                                  f"enabled on it); set cluster: false on this device") from None
             cause = err.__cause__ or err.__context__
             if _is_auth(err) or (cause is not None and _is_auth(cause)):
                 user = self._auth["username"]
@@ -183,7 +188,7 @@ class RemoteDevice(Device):
 
         try:
             return fn(self.client(), *args, **kw)
-        except redis.RedisError as err:
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as err:
             raise _os_error(err, self.name) from None
 
     # -- the device interface (the pool's striped path) -----------------------------------------------------
