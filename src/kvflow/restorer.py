@@ -26,6 +26,7 @@ from kvflow.cost.calibration import Calibration
 from kvflow.cost.model import CostModel, default_profile_path
 from kvflow.errors import KVFlowError
 from kvflow.executor import Event, Executor, Job, Timings
+from kvflow.model.dtypes import parse_dtype
 from kvflow.model.runner import ModelRunner
 from kvflow.planner import IOModel, Plan, Planner, PlannerConfig, Request
 from kvflow.planner.batch import BatchPlan, plan_batch
@@ -158,14 +159,13 @@ class Restorer:
 
     def _dtype(self) -> torch.dtype:
         """The dtype records are stored in: the one asked for, else the pool's own (what put_many uses)."""
-        from kvflow.model.runner import parse_dtype
         return parse_dtype(self.storage_dtype) if self.storage_dtype else self.pool.dtype
 
     # ------------------------------------------------------------------------------------ planning
     def io_model(self, calibrated: bool = True) -> IOModel:
         """The pool's read bandwidth and per-read latency; the executor keeps ``depth`` reads in flight, so each
         read waits latency / depth beyond its bytes."""
-        cell = self.chunk_tokens * self.cost.kv_bytes_per_token_layer * self._dtype().itemsize // 4 + HEADER_SIZE
+        cell = self.chunk_tokens * self.runner.shape.kv_bytes_per_token_layer(self._dtype()) + HEADER_SIZE
         bandwidth = self.cost.loaded_rate(float(self.pool.read_bandwidth))   # + the host-to-device copy on a GPU
         if calibrated and self.calibration is not None:
             bandwidth /= self.calibration.io

@@ -85,7 +85,7 @@ def test_startup_report_adds_up(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="kvflow.engine"):
         engine = LLMEngine(tiny, EngineConfig(kv_budget=4 * 2**20, max_num_batched_tokens=256))
     m = engine.memory
-    per_block = PagedKVCache.bytes_per_block(tiny.num_layers, 16, tiny.kv_heads, tiny.head_dim, 4)
+    per_block = 16 * tiny.shape.kv_bytes_per_token("float32")
     assert m.kv_blocks == engine.num_blocks * per_block == engine.cache.kv.numel() * 4
     longest = min(engine.max_model_len, engine.num_blocks * 16)
     assert m.activation_reserve == measure_activation_reserve(tiny, 256, max_model_len=longest,

@@ -104,8 +104,7 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, config: EngineConfig | None = None, *, restorer=None, tokenizer=None):
         self.runner, self.config, self.tokenizer = runner, config or EngineConfig(), tokenizer
         cfg = self.config
-        per_block = PagedKVCache.bytes_per_block(runner.num_layers, cfg.block_size, runner.kv_heads,
-                                                 runner.head_dim, runner.dtype.itemsize)
+        per_block = cfg.block_size * runner.shape.kv_bytes_per_token(runner.dtype)
         self.num_blocks = cfg.num_blocks or cfg.kv_budget // per_block
         if self.num_blocks < 1:
             raise ConfigError(f"engine.kv_budget {cfg.kv_budget} B holds no block ({per_block} B per block)")

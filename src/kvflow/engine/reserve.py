@@ -145,7 +145,7 @@ def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model
                 _CACHE[key] = max(1, peak(limit))
             else:
                 near, at_far = peak(far // 2), peak(far)
-                floor = 2 * runner.kv_heads * runner.head_dim * runner.dtype.itemsize      # gathered K and V per key
+                floor = runner.shape.kv_bytes_per_token_layer(runner.dtype)      # gathered K and V per key
                 slope = max((at_far - near) / (far - far // 2), floor)
                 _CACHE[key] = max(1, int(at_far + slope * (limit - far)))
         except OSError as err:
@@ -156,10 +156,7 @@ def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model
 
 def formula_reserve(runner, tokens: int) -> int:
     """The advisor's estimate (k = 1) for this model's shape and dtype: the fallback when nothing can be measured."""
-    from kvflow.advisor.memory import activation_reserve
-    from kvflow.advisor.shapes import shape_from_config
-
-    return activation_reserve(shape_from_config(runner.name, runner.config.to_dict()), tokens, 1, runner.dtype.itemsize)
+    return runner.shape.activation_bytes(tokens, runner.dtype)
 
 
 def _window(runner, tokens: int, seq_len: int, device, probe=None, seqs: int = 1, block_size: int = 16) -> int:
