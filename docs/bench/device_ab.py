@@ -1,9 +1,9 @@
 import json, statistics, sys, time, torch
 import kvflow
 from kvflow import KVPool, Restorer, load_model
-from kvflow.restorer import load_cost_model
+from kvflow.cost import cost_profile
 runner = load_model("qwen2.5-0.5b@layers=4")
-cost = load_cost_model(runner)
+cost = cost_profile(runner)
 out = {"src": kvflow.__file__}
 g = torch.Generator().manual_seed(1)
 for n, strategy, rho in [(8192, "load", None), (8192, "cacheflow", 8.0), (4096, "cacheflow", 1.0)]:
