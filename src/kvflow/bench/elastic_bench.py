@@ -37,7 +37,8 @@ import torch
 
 from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
 from kvflow.engine.engine import longest_sequence
-from kvflow.engine.reserve import hold_to_live_set, measure_activation_reserve, release_freed_memory
+from kvflow.engine.reserve import measure_activation_reserve
+from kvflow.model.host_memory import hold_to_live_set, release_freed_memory
 from kvflow.errors import ConfigError
 
 Progress = Callable[[str], None]

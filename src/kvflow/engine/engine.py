@@ -28,12 +28,12 @@ from kvflow.engine.elastic import ElasticReserve
 from kvflow.engine.model_runner import BatchRunner, StepItem
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.engine.pool_tier import PoolTier
-from kvflow.engine.reserve import (TRIM_TOKENS, MemoryBudget, hold_to_live_set, measure_activation_reserve,
-                                   release_freed_memory, weight_bytes)
+from kvflow.engine.reserve import TRIM_TOKENS, MemoryBudget, measure_activation_reserve, weight_bytes
 from kvflow.engine.sampling import SamplingError, SamplingParams, sample
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.sequence import Sequence, Status
 from kvflow.errors import ConfigError, KVFlowError
+from kvflow.model.host_memory import hold_to_live_set, release_freed_memory
 from kvflow.model.runner import ModelRunner
 from kvflow.threads import single_threaded
 
