@@ -58,12 +58,10 @@ def lendable_blocks(runner, config, bytes_per_block: int, longest: int | None = 
     ``longest`` positions (``engine.elastic_blocks`` overrides)."""
     if config.elastic_blocks:
         return config.elastic_blocks
-    full = config.max_num_batched_tokens
-    seqs = config.max_num_seqs
-    reserve = lambda tokens: measure_activation_reserve(runner, tokens, max_model_len=longest,  # noqa: E731
-                                                        max_num_seqs=seqs)
-    spare = reserve(full) - reserve(min(seqs, full))
-    return max(spare, 0) // bytes_per_block
+    full, seqs = config.max_num_batched_tokens, config.max_num_seqs
+    step, decode = (measure_activation_reserve(runner, tokens, max_model_len=longest, max_num_seqs=seqs)
+                    for tokens in (full, min(seqs, full)))
+    return max(step - decode, 0) // bytes_per_block
 
 
 def resident_bytes(addr: int, length: int) -> int:
