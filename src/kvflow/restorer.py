@@ -23,9 +23,11 @@ import torch
 from kvflow.chunks.keys import ChunkKey, chunk_keys, layer_groups
 from kvflow.chunks.record import HEADER_SIZE
 from kvflow.cost.calibration import Calibration
-from kvflow.cost.model import CostModel, default_profile_path
+from kvflow.cost.model import CostModel
+from kvflow.cost.saved import cost_profile
 from kvflow.errors import KVFlowError
 from kvflow.executor import Event, Executor, Job, Timings
+from kvflow.model.dtypes import parse_dtype
 from kvflow.model.runner import ModelRunner
 from kvflow.planner import IOModel, Plan, Planner, PlannerConfig, Request
 from kvflow.planner.batch import BatchPlan, plan_batch
@@ -72,27 +74,12 @@ def _check_request(context_ids, query_ids) -> tuple[torch.Tensor, torch.Tensor]:
     return ctx, query
 
 
-def load_cost_model(runner: ModelRunner, *, profile_if_missing: bool = True, max_position: int = 8192) -> CostModel:
-    """The saved profile of this model on this machine (``kvflow profile``), profiling now if there is none."""
-    from kvflow.cost import profile
-
-    path = default_profile_path(runner.name, runner.fingerprint, torch.get_num_threads(), str(runner.device))
-    if path.exists():
-        return CostModel.load(path)
-    if not profile_if_missing:
-        raise KVFlowError(f"no cost profile for {runner.name}: run `kvflow profile {runner.name}`")
-    log.warning("no cost profile for %s on this machine: profiling now (saved to %s)", runner.name, path)
-    cost = profile(runner, max_position=max_position)
-    cost.save(path)
-    return cost
-
-
 class Restorer:
     def __init__(self, runner: ModelRunner, pool, *, cost: CostModel | None = None,
                  planner: PlannerConfig | None = None, storage_dtype: torch.dtype | str | None = None,
                  calibrate: bool = True):
         self.runner, self.pool = runner, pool
-        self.cost = cost or load_cost_model(runner)
+        self.cost = cost or cost_profile(runner)          # the saved profile, or one measured now (cost/saved.py)
         # measured / predicted speed, folded in after every restoration (cost/calibration.py); None: plan on the
         # profiled model as it is
         self.calibration = Calibration() if calibrate else None
@@ -158,14 +145,13 @@ class Restorer:
 
     def _dtype(self) -> torch.dtype:
         """The dtype records are stored in: the one asked for, else the pool's own (what put_many uses)."""
-        from kvflow.model.runner import parse_dtype
         return parse_dtype(self.storage_dtype) if self.storage_dtype else self.pool.dtype
 
     # ------------------------------------------------------------------------------------ planning
     def io_model(self, calibrated: bool = True) -> IOModel:
         """The pool's read bandwidth and per-read latency; the executor keeps ``depth`` reads in flight, so each
         read waits latency / depth beyond its bytes."""
-        cell = self.chunk_tokens * self.cost.kv_bytes_per_token_layer * self._dtype().itemsize // 4 + HEADER_SIZE
+        cell = self.chunk_tokens * self.runner.shape.kv_bytes_per_token_layer(self._dtype()) + HEADER_SIZE
         bandwidth = self.cost.loaded_rate(float(self.pool.read_bandwidth))   # + the host-to-device copy on a GPU
         if calibrated and self.calibration is not None:
             bandwidth /= self.calibration.io

@@ -85,7 +85,7 @@ def test_startup_report_adds_up(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="kvflow.engine"):
         engine = LLMEngine(tiny, EngineConfig(kv_budget=4 * 2**20, max_num_batched_tokens=256))
     m = engine.memory
-    per_block = PagedKVCache.bytes_per_block(tiny.num_layers, 16, tiny.kv_heads, tiny.head_dim, 4)
+    per_block = 16 * tiny.shape.kv_bytes_per_token("float32")
     assert m.kv_blocks == engine.num_blocks * per_block == engine.cache.kv.numel() * 4
     longest = min(engine.max_model_len, engine.num_blocks * 16)
     assert m.activation_reserve == measure_activation_reserve(tiny, 256, max_model_len=longest,
@@ -182,18 +182,19 @@ def test_a_large_step_hands_freed_heap_back_where_the_budget_must_hold(tiny, mon
 
 
 def test_held_to_the_live_set_a_freed_large_tensor_leaves_resident_memory():
-    """hold_to_live_set pins glibc's mmap threshold at MAP_ABOVE: a tensor of a few MiB (below glibc's own 32 MiB
+    """hold_to_live_set pins glibc's mmap threshold at 256 KiB: a tensor of a few MiB (below glibc's own 32 MiB
     ceiling, so the heap would keep it once a larger one was freed) is unmapped when freed, and resident memory
     falls by its size. In a fresh process (a heap with holes from earlier work would serve it from a hole)."""
-    from kvflow.engine import reserve
-    if reserve._LIBC is None or not hasattr(reserve._LIBC, "mallopt"):
+    from kvflow.model import host_memory
+    if host_memory._LIBC is None:
         pytest.skip("no glibc here")
     code = """if True:
         import torch
         from kvflow.engine import reserve
+        from kvflow.model import host_memory
         rss = lambda: reserve._status_bytes("VmRSS:")
         big = torch.ones(24 * 2**20 // 4); del big          # glibc's threshold rises to 24 MiB: 8 MiB is heap now
-        assert reserve.hold_to_live_set() and reserve.hold_to_live_set()
+        assert host_memory.hold_to_live_set() and host_memory.hold_to_live_set()
         t = torch.ones(8 * 2**20 // 4)
         with_it = rss()
         del t
@@ -207,11 +208,12 @@ def test_held_to_the_live_set_a_freed_large_tensor_leaves_resident_memory():
 def test_the_reserve_is_measured_again_in_the_other_heap_regime(tiny, monkeypatch):
     """A probe taken before the pin read another heap than the served steps will run on: the cache keys on it."""
     from kvflow.engine import reserve
+    from kvflow.model import host_memory
     monkeypatch.setattr(reserve, "_CACHE", {})
     reads = iter([10, 10, 10, 20, 20, 20])
     monkeypatch.setattr(reserve, "_window", lambda runner, tokens, seq_len, device, probe, *a, **k:
                         0 if probe is None else next(reads))
-    monkeypatch.setattr(reserve, "_held", False)
+    monkeypatch.setattr(host_memory, "_in_force", host_memory.KEEP)
     assert measure_activation_reserve(tiny, 64, max_model_len=64) == 10
-    monkeypatch.setattr(reserve, "_held", True)
+    monkeypatch.setattr(host_memory, "_in_force", host_memory.LIVE_SET)
     assert measure_activation_reserve(tiny, 64, max_model_len=64) == 20

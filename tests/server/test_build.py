@@ -38,9 +38,9 @@ def test_a_bad_engine_config_is_one_config_error(tmp_path, text):
 
 @pytest.mark.parametrize("elastic,order", [(False, ["load"]), (True, ["hold", "load"])])
 def test_an_elastic_server_holds_memory_to_the_live_set_before_the_model_loads(monkeypatch, elastic, order):
-    """So the model's load leaves no heap holes for served steps to reuse (engine/reserve.py)."""
+    """So the model's load leaves no heap holes for served steps to reuse (model/host_memory.py)."""
     import kvflow
-    from kvflow.engine import reserve
+    from kvflow.model import host_memory
     calls = []
 
     class Loaded(Exception):
@@ -49,7 +49,7 @@ def test_an_elastic_server_holds_memory_to_the_live_set_before_the_model_loads(m
     def load(*a, **k):
         calls.append("load")
         raise Loaded
-    monkeypatch.setattr(reserve, "hold_to_live_set", lambda: calls.append("hold"))
+    monkeypatch.setattr(host_memory, "hold_to_live_set", lambda: calls.append("hold"))
     monkeypatch.setattr(kvflow, "load_model", load)
     with pytest.raises(Loaded):
         build_engine("tiny", {"engine": {"kv_budget": "1M"}}, elastic_reserve=elastic)

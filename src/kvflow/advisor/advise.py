@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvflow.advisor.memory import (FORMULA, activation_reserve, check_parallel, dtype_bytes, kv_bytes_per_token,
-                                   reserve_per_token, weights_per_device)
-from kvflow.advisor.shapes import ModelShape, load_shape
+from kvflow.advisor.memory import FORMULA, activation_reserve, check_parallel, kv_bytes_per_token, weights_per_device
+from kvflow.advisor.shapes import load_shape
 from kvflow.config import check
 from kvflow.errors import ConfigError, KVFlowError
+from kvflow.model.dtypes import sized
+from kvflow.model.shape import ModelShape
 
 GiB = 2**30
 PAYS = 0.05        # 5% more KV: below it the extra concurrency is lost in scheduling noise, not worth a take-back
@@ -87,17 +88,18 @@ def advise(model: str | ModelShape, gpu_mem_gib: float, tp: int = 1, pp: int = 1
     small = small_chunk or default_small_chunk(chunk)
     check(1 <= small <= chunk, f"--small-chunk must be in [1, --chunk {chunk}], got {small}")
     check_parallel(shape, tp, pp)
-    b, kv_b = dtype_bytes(dtype, "--dtype"), dtype_bytes(kv_dtype, "--kv-dtype")
+    b = sized(dtype, "--dtype")
+    sized(kv_dtype, "--kv-dtype")
     usable = int(gpu_mem_gib * GiB * utilization)
     weights = weights_per_device(shape, tp, pp, b)
-    res = lambda n: activation_reserve(shape, n, tp, b, factor)                        # noqa: E731
+    res = lambda n: activation_reserve(shape, n, tp, dtype, factor)                        # noqa: E731
     reserve, reserve_small, reserve_decode = res(chunk), res(small), res(min(max_seqs, chunk))
     kv_bytes = usable - weights - reserve
     where = f"{shape.name} at TP {tp}" + (f" x PP {pp}" if pp > 1 else "")
     if kv_bytes <= 0:
         raise ConfigError(f"{where} does not fit {gpu_mem_gib:g} GiB: weights {weights / GiB:.1f} GiB + reserve "
                           f"{reserve / GiB:.2f} GiB > {usable / GiB:.1f} GiB usable per device; raise TP/PP")
-    per_token = kv_bytes_per_token(shape, tp, pp, kv_b)
+    per_token = kv_bytes_per_token(shape, tp, pp, kv_dtype)
     kv_tokens = kv_bytes // per_token
     if max_model_len and kv_tokens < max_model_len:
         raise ConfigError(f"{where} on {gpu_mem_gib:g} GiB holds {kv_tokens:,} KV tokens, fewer than one "
@@ -110,10 +112,10 @@ def advise(model: str | ModelShape, gpu_mem_gib: float, tp: int = 1, pp: int = 1
 
 def formula(shape: ModelShape, tp: int, dtype: str, factor: float) -> str:
     """The reserve formula with this model's numbers filled in (bytes per token of the token budget)."""
-    b = dtype_bytes(dtype, "--dtype")
+    b = sized(dtype, "--dtype")
     return (f"reserve = {FORMULA}; {shape.name}: h={shape.hidden}, I={shape.intermediate}, heads={shape.heads}, "
             f"kv_heads={shape.kv_heads}, head_dim={shape.head_dim}, b={b}, TP={tp}, k={factor:.2f} -> "
-            f"{factor * reserve_per_token(shape, tp, b):,.0f} B per token")
+            f"{factor * shape.activation_bytes_per_token(dtype, tp):,.0f} B per token")
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,10 @@ this machine's CPU) divided by the formula for the same shape, tokens and dtype 
 from __future__ import annotations
 
 from kvflow.advisor.memory import activation_reserve
-from kvflow.advisor.shapes import ALIASES, ModelShape
+from kvflow.advisor.shapes import ALIASES
 from kvflow.errors import ModelError
 from kvflow.model.presets import PRESETS
+from kvflow.model.shape import ModelShape
 
 CALIBRATION_TOKENS = 1024     # enough tokens that per-token terms dominate; a few seconds on 2 CPU cores
 
@@ -23,4 +24,4 @@ def calibration_factor(model: str, shape: ModelShape, chunk: int) -> tuple[float
     tokens = min(chunk, CALIBRATION_TOKENS)
     runner = load_model(f"{base}@layers=1", dtype="float32")
     measured = measure_activation_reserve(runner, tokens)
-    return measured / activation_reserve(shape, tokens, 1, 4), measured, tokens
+    return measured / activation_reserve(shape, tokens, 1, "float32"), measured, tokens

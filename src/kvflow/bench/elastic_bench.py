@@ -37,9 +37,8 @@ import torch
 
 from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
 from kvflow.engine.engine import longest_sequence
-from kvflow.engine.elastic import activation_reserve
-from kvflow.engine.paged_cache import PagedKVCache
-from kvflow.engine.reserve import hold_to_live_set, release_freed_memory
+from kvflow.engine.reserve import measure_activation_reserve
+from kvflow.model.host_memory import hold_to_live_set, release_freed_memory
 from kvflow.errors import ConfigError
 from kvflow.stats import percentile, rss_bytes
 
@@ -171,6 +170,11 @@ def _reserve_kw(reserve: int) -> dict:
     return {"activation_reserve": reserve} if "activation_reserve" in EngineConfig.__dataclass_fields__ else {}
 
 
+def _reserve(runner, tokens: int, longest: int) -> int:
+    """The measured reserve of a ``tokens``-token step whose sequences reach ``longest`` (what the engines compute)."""
+    return measure_activation_reserve(runner, tokens, max_model_len=longest, max_num_seqs=SEQS)
+
+
 def _blocks(tokens: int, bs: int) -> int:
     return -(-tokens // bs)
 
@@ -179,14 +183,13 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
     w.validate()
     held = hold_to_live_set()     # what every engine below does when it starts; before the reserves are measured here
     bs = w.block_size
-    per_block = PagedKVCache.bytes_per_block(runner.num_layers, bs, runner.kv_heads, runner.head_dim,
-                                             runner.dtype.itemsize)
+    per_block = bs * runner.shape.kv_bytes_per_token(runner.dtype)
 
     def longest(blocks: int) -> int:                # what the engines below compute for their reserve
         return longest_sequence(runner, EngineConfig(block_size=bs), blocks)
 
     need = _blocks(w.long_len + 1, bs) + w.decoders * _blocks(w.decode_prompt + OPEN_DECODE, bs)
-    reserves = {t: activation_reserve(runner, t, longest(need), SEQS)
+    reserves = {t: _reserve(runner, t, longest(need))
                 for t in sorted(set(w.budgets) | {w.small_budget})}
     try:
         import kvflow.engine.reserve  # noqa: F401
@@ -220,13 +223,13 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
     big = max(w.budgets)
     base = w.c_base_blocks or max(_blocks(w.c_long_len + 1, bs) + 1,
                                   w.c_decoders * _blocks(w.decode_prompt + w.c_tokens, bs) // 2)
-    c_reserve = {big: activation_reserve(runner, big, longest(base), SEQS)}
+    c_reserve = {big: _reserve(runner, big, longest(base))}
     memory = base * per_block + c_reserve[big]
     # the small config's blocks: what the memory holds beside its reserve, which grows with its longest sequence
     # (more blocks, longer); from the reserve at the base length down until blocks + reserve fit the one budget
-    small_blocks = (memory - activation_reserve(runner, w.small_budget, longest(base), SEQS)) // per_block
+    small_blocks = (memory - _reserve(runner, w.small_budget, longest(base))) // per_block
     while True:
-        c_reserve[w.small_budget] = activation_reserve(runner, w.small_budget, longest(small_blocks), SEQS)
+        c_reserve[w.small_budget] = _reserve(runner, w.small_budget, longest(small_blocks))
         fit = (memory - c_reserve[w.small_budget]) // per_block
         if fit < 1:
             raise ConfigError(f"--small-budget {w.small_budget}: its reserve "

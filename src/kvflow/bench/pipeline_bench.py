@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from kvflow.chunks.record import HEADER_SIZE
-from kvflow.cost import CostModel, default_profile_path, profile
+from kvflow.cost import CostModel, cost_profile, saved_profile
 from kvflow.errors import KVFlowError
 from kvflow.model import load_model
 from kvflow.planner import PlannerConfig, Request
@@ -56,19 +56,10 @@ class PipelineBenchConfig:
 
 def cost_model(runner, threads: int, max_position: int, progress: Progress) -> CostModel:
     """The model's cost profile measured with ``threads`` torch threads (what each stage has), saved once."""
-    path = default_profile_path(runner.name, runner.fingerprint, threads, str(runner.device))
-    if path.exists():
-        cost = CostModel.load(path)
-        if cost.fit.get("max_position", 0) >= max_position:
-            return cost
-    progress(f"profiling {runner.name} with {threads} thread(s) (once per machine) ...")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        cost = profile(runner, max_position=max_position, repeats=2)
-    finally:
-        torch.set_num_threads(before)
-    cost.save(path)
+    cost = saved_profile(runner, max_position, threads)
+    if cost is None:
+        progress(f"profiling {runner.name} with {threads} thread(s) (once per machine) ...")
+        cost = cost_profile(runner, max_position, threads=threads)
     return cost
 
 

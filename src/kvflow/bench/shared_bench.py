@@ -117,12 +117,12 @@ def aggregate(url: str, cluster: bool, disk_dir: str, data_bytes: int, record_by
 FIRST = textwrap.dedent("""
     import json, sys, torch
     from kvflow import KVPool, Restorer, load_model
-    from kvflow.restorer import load_cost_model
+    from kvflow.cost import cost_profile
     cfg, model, n, seed = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     runner = load_model(model)
     ctx = torch.randint(0, runner.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
     with KVPool.open(cfg) as pool:
-        res = Restorer(runner, pool, cost=load_cost_model(runner)).store(ctx)
+        res = Restorer(runner, pool, cost=cost_profile(runner)).store(ctx)
         print(json.dumps({"records": pool.stats()["put_records"], "bytes": pool.stats()["put_bytes"]}))
 """)
 
@@ -130,7 +130,7 @@ FIRST = textwrap.dedent("""
 def second_engine(url: str, cluster: bool, model: str, tokens: int, query_len: int, repeats: int,
                   progress: Progress) -> dict:
     from kvflow import Restorer, load_model
-    from kvflow.restorer import load_cost_model
+    from kvflow.cost import cost_profile
     from kvflow.bench.restore_bench import kv_diff
 
     prefix = f"kvflow-bench:{uuid.uuid4().hex[:8]}:"
@@ -145,7 +145,7 @@ def second_engine(url: str, cluster: bool, model: str, tokens: int, query_len: i
     stored = json.loads(done.stdout.strip().splitlines()[-1])
     store_s = time.perf_counter() - t0
     runner = load_model(model)
-    cost = load_cost_model(runner)
+    cost = cost_profile(runner)
     ctx = torch.randint(0, runner.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
     query = torch.randint(0, runner.config.vocab_size, (query_len,), generator=torch.Generator().manual_seed(seed + 1))
     ref = runner.reference_prefill(torch.cat([ctx, query]))

@@ -38,7 +38,7 @@ def bench_elastic(
     budget, take-back latency, peak resident memory vs budget."""
     from kvflow.report import out_dir, print_table, save_figure, write_json
     from kvflow.bench.elastic_bench import ElasticWorkload, draw, run
-    from kvflow.engine.reserve import hold_to_live_set
+    from kvflow.model.host_memory import hold_to_live_set
     from kvflow.model import load_model
 
     w = ElasticWorkload(budgets=tuple(comma_list(budgets, int, "--budgets")), long_len=long_len, long_prompts=long_prompts,

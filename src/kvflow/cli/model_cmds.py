@@ -40,18 +40,18 @@ def models(as_json: bool = typer.Option(False, "--json", help="print JSON instea
     """List model presets: parameters, layers, KV bytes per token per storage dtype."""
     from transformers.utils import logging as hf_logging
 
+    from kvflow.model.dtypes import TORCH
     from kvflow.model.presets import PRESETS, build_config
+    from kvflow.model.shape import ModelShape
 
     hf_logging.set_verbosity_error()
     rows = []
     for preset in PRESETS.values():
         cfg = build_config(preset)
-        kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        per_elem = 2 * cfg.num_hidden_layers * kv_heads * head_dim
+        shape = ModelShape.from_config(preset.name, cfg.to_dict())
         rows.append({"name": preset.name, "family": preset.family, "parameters": _meta_counts(preset),
                      "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
-                     "kv_bytes_per_token": {"float32": per_elem * 4, "bfloat16": per_elem * 2, "float16": per_elem * 2},
+                     "kv_bytes_per_token": {d: shape.kv_bytes_per_token(d) for d in TORCH},
                      "description": preset.description})
     if as_json:
         print(json.dumps(rows, indent=2))

@@ -23,23 +23,19 @@ err_console = Console(stderr=True)
 
 
 def ensure_cost(runner, max_position: int):
-    """The saved cost profile of this model on this machine, or a fresh one (with a progress bar)."""
-    import torch
-
+    """The cost profile of this model on this machine (kvflow.cost.cost_profile's rule), with a progress bar when it
+    is measured now."""
     from kvflow.cli.model_cmds import progress_bar
-    from kvflow.cost import CostModel, default_profile_path, profile
+    from kvflow.cost import cost_profile, profiles_dir, saved_profile
 
-    path = default_profile_path(runner.name, runner.fingerprint, torch.get_num_threads(), str(runner.device))
-    if path.exists():
-        cost = CostModel.load(path)
-        if cost.fit.get("max_position", 0) >= max_position // 2:
-            return cost
+    cost = saved_profile(runner, max_position)
+    if cost is not None:
+        return cost
     with progress_bar(f"profiling {runner.name} (once per machine)") as bar:
         task = bar.add_task(f"profiling {runner.name} (once per machine)", total=1)
-        cost = profile(runner, max_position=max_position, repeats=2,
-                       progress=lambda done, total: bar.update(task, completed=done, total=total))
-    cost.save(path)
-    err_console.print(f"cost model saved to {path} (held-out error "
+        cost = cost_profile(runner, max_position,
+                            progress=lambda done, total: bar.update(task, completed=done, total=total))
+    err_console.print(f"cost model saved to {profiles_dir()} (held-out error "
                       f"{cost.fit['held_out_median_rel_error']:.1%})")
     return cost
 

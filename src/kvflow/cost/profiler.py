@@ -116,7 +116,7 @@ def profile(runner: ModelRunner, *, max_position: int = 8192, repeats: int = 3, 
     train_pts, test_pts = measured[:len(train)], measured[len(train):]
     a, b, d, e = fit(train_pts)
     model = CostModel(model=runner.name, fingerprint=runner.fingerprint, threads=torch.get_num_threads(),
-                      a=a, b=b, d=d, e=e, head=head, kv_bytes_per_token_layer=runner.kv_bytes_per_token() // L,
+                      a=a, b=b, d=d, e=e, head=head, kv_bytes_per_token_layer=runner.shape.kv_bytes_per_token_layer(),
                       num_layers=L, device=str(runner.device), h2d_bytes_per_s=h2d_rate(runner.device))
     errors = [abs(model.compute_time(pt.c, pt.p, pt.n) - pt.t) / pt.t for pt in test_pts]
     train_errors = [abs(model.compute_time(pt.c, pt.p, pt.n) - pt.t) / pt.t for pt in train_pts]

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvflow.engine.reserve import measure_activation_reserve
 from kvflow.errors import KVFlowError
 
 log = logging.getLogger("kvflow.engine")
@@ -52,36 +53,15 @@ class TakeBackError(KVFlowError):
     """The reserve could not be taken back: the prefills waiting for it are not admitted."""
 
 
-def standin_activation_reserve(runner, tokens: int) -> int:
-    """STAND-IN used only while engine/reserve.py (the measured reserve) is absent: a formula, not a measurement —
-    the live activations of one decoder layer for ``tokens`` tokens (hidden in/out and residual, q/k/v, MLP)."""
-    c = runner.config
-    inter = getattr(c, "intermediate_size", None) or 4 * c.hidden_size
-    per_token = 4 * c.hidden_size + 2 * runner.kv_heads * runner.head_dim + 3 * inter
-    return tokens * per_token * runner.dtype.itemsize
-
-
-def activation_reserve(runner, tokens: int, longest: int | None = None, seqs: int = 1) -> int:
-    """Bytes of activations a step of ``tokens`` tokens needs when its sequences may be ``longest`` positions long:
-    measured (engine/reserve.py) where it exists."""
-    try:
-        from kvflow.engine.reserve import measure_activation_reserve
-    except ModuleNotFoundError as err:
-        if err.name != "kvflow.engine.reserve":
-            raise
-        return standin_activation_reserve(runner, tokens)
-    return int(measure_activation_reserve(runner, tokens, max_model_len=longest, max_num_seqs=seqs))
-
-
 def lendable_blocks(runner, config, bytes_per_block: int, longest: int | None = None) -> int:
     """KV blocks the reserve lends: a full step's reserve minus a decode-only step's, both with sequences up to
     ``longest`` positions (``engine.elastic_blocks`` overrides)."""
     if config.elastic_blocks:
         return config.elastic_blocks
-    full = config.max_num_batched_tokens
-    seqs = config.max_num_seqs
-    spare = activation_reserve(runner, full, longest, seqs) - activation_reserve(runner, min(seqs, full), longest, seqs)
-    return max(spare, 0) // bytes_per_block
+    full, seqs = config.max_num_batched_tokens, config.max_num_seqs
+    step, decode = (measure_activation_reserve(runner, tokens, max_model_len=longest, max_num_seqs=seqs)
+                    for tokens in (full, min(seqs, full)))
+    return max(step - decode, 0) // bytes_per_block
 
 
 def resident_bytes(addr: int, length: int) -> int:

@@ -28,12 +28,12 @@ from kvflow.engine.elastic import ElasticReserve
 from kvflow.engine.model_runner import BatchRunner, StepItem
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.engine.pool_tier import PoolTier
-from kvflow.engine.reserve import (TRIM_TOKENS, MemoryBudget, hold_to_live_set, measure_activation_reserve,
-                                   release_freed_memory, weight_bytes)
+from kvflow.engine.reserve import TRIM_TOKENS, MemoryBudget, measure_activation_reserve, weight_bytes
 from kvflow.engine.sampling import SamplingError, SamplingParams, sample
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.sequence import Sequence, Status
 from kvflow.errors import ConfigError, KVFlowError
+from kvflow.model.host_memory import hold_to_live_set, release_freed_memory
 from kvflow.model.runner import ModelRunner
 from kvflow.threads import single_threaded
 
@@ -106,8 +106,7 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, config: EngineConfig | None = None, *, restorer=None, tokenizer=None):
         self.runner, self.config, self.tokenizer = runner, config or EngineConfig(), tokenizer
         cfg = self.config
-        per_block = PagedKVCache.bytes_per_block(runner.num_layers, cfg.block_size, runner.kv_heads,
-                                                 runner.head_dim, runner.dtype.itemsize)
+        per_block = cfg.block_size * runner.shape.kv_bytes_per_token(runner.dtype)
         self.num_blocks = cfg.num_blocks or cfg.kv_budget // per_block
         if self.num_blocks < 1:
             raise ConfigError(f"engine.kv_budget {cfg.kv_budget} B holds no block ({per_block} B per block)")

@@ -26,10 +26,6 @@ class PagedKVCache:
         self.kv = storage if storage is not None else torch.zeros(shape, dtype=dtype, device=device)
         self.device = self.kv.device
 
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
-        return num_layers * 2 * block_size * kv_heads * head_dim * itemsize
-
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Slot index of every position in [start, end)."""
         pos = torch.arange(start, end, device=self.device)

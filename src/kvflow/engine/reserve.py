@@ -18,9 +18,10 @@ read apart by up to ~10% on CPU: glibc's heap keeps freed pages in a history-dep
   before the step, after ``reset_peak_memory_stats``.
 
 An engine whose budget must hold (``engine.release_heap``, on with the elastic reserve) keeps its resident memory
-to the live set of its tensors, so that what the probe reads is what a served step takes (``hold_to_live_set``):
+to the live set of its tensors, so that what the probe reads is what a served step takes (the live-set regime of
+model/host_memory.py, the one owner of the process's allocator policy):
 
-* glibc's mmap threshold is pinned at MAP_ABOVE (256 KiB) for the process, before any reserve is measured: a
+* glibc's mmap threshold is pinned at 256 KiB for the process, before any reserve is measured: a
   tensor of that size or more is mapped for its own use and unmapped when freed. Left to itself, glibc raises the
   threshold to the largest block it has freed (up to 32 MiB), after which step-sized tensors come from the heap,
   whose freed pages stay resident in a layout that depends on the process's whole history. Measured on tiny
@@ -42,15 +43,14 @@ pin is process-wide and stays; pinned before the model loads (``kvflow serve``, 
 holes are left for steps to reuse.
 
 The CPU reading is process-wide: taken at start-up, before other threads of the engine run. Where it cannot be
-taken (no ``/proc/self/clear_refs``: not Linux, a locked-down container) the reserve is the advisor's shape formula
-(docs/ADVISOR.md) and a warning says so. Measurements are cached per (model fingerprint, token budget, longest
+taken (no ``/proc/self/clear_refs``: not Linux, a locked-down container) the reserve is the model shape's formula
+(model/shape.py, docs/ADVISOR.md) and a warning says so. Measurements are cached per (model fingerprint, token budget, longest
 sequence, device, torch threads, heap regime) for the process, so every engine of one model and budget measures
 once.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 from dataclasses import dataclass
@@ -58,13 +58,11 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.stats import proc_status_bytes as _status_bytes
+from kvflow.model import host_memory
+from kvflow.model.host_memory import release_freed_memory
 
 log = logging.getLogger("kvflow.engine")
 _CACHE: dict[tuple, int] = {}
-try:
-    _LIBC = ctypes.CDLL(None)
-except OSError:          # no C library to ask (not a glibc process): nothing to trim
-    _LIBC = None
 _WARMUP_TOKENS = 16      # a first small step: lazy kernel/thread-pool set-up is not part of the reserve
 
 
@@ -132,7 +130,7 @@ def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model
     device = next(runner.hf_model.parameters()).device
     limit = max(1, min(max_model_len or tokens, runner.max_positions or 2**62))
     seqs = max(1, min(max_num_seqs, tokens))
-    key = (runner.fingerprint, tokens, limit, seqs, str(device), torch.get_num_threads(), _held)
+    key = (runner.fingerprint, tokens, limit, seqs, str(device), torch.get_num_threads(), host_memory.in_force())
     if key not in _CACHE:
         probe = _CUDAPeak(device) if device.type == "cuda" else _HostPeak()
         _window(runner, min(_WARMUP_TOKENS, tokens), min(limit, PROBE_CONTEXT), device, None, min(seqs, _WARMUP_TOKENS))
@@ -147,7 +145,7 @@ def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model
                 _CACHE[key] = max(1, peak(limit))
             else:
                 near, at_far = peak(far // 2), peak(far)
-                floor = 2 * runner.kv_heads * runner.head_dim * runner.dtype.itemsize      # gathered K and V per key
+                floor = runner.shape.kv_bytes_per_token_layer(runner.dtype)      # gathered K and V per key
                 slope = max((at_far - near) / (far - far // 2), floor)
                 _CACHE[key] = max(1, int(at_far + slope * (limit - far)))
         except OSError as err:
@@ -158,10 +156,7 @@ def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model
 
 def formula_reserve(runner, tokens: int) -> int:
     """The advisor's estimate (k = 1) for this model's shape and dtype: the fallback when nothing can be measured."""
-    from kvflow.advisor.memory import activation_reserve
-    from kvflow.advisor.shapes import shape_from_config
-
-    return activation_reserve(shape_from_config(runner.name, runner.config.to_dict()), tokens, 1, runner.dtype.itemsize)
+    return runner.shape.activation_bytes(tokens, runner.dtype)
 
 
 def _window(runner, tokens: int, seq_len: int, device, probe=None, seqs: int = 1, block_size: int = 16) -> int:
@@ -220,32 +215,6 @@ def _prepare(runner, spans: tuple[tuple[int, int], ...], device, block_size: int
 
 
 TRIM_TOKENS = 256         # a step computing at least this many tokens hands the heap pages it freed back afterwards
-MAP_ABOVE = 256 << 10     # held to the live set: allocations of this many bytes or more are mapped per use
-_M_MMAP_THRESHOLD = -3    # mallopt parameter (malloc.h)
-_held = False             # the process's mmap threshold is pinned at MAP_ABOVE
-
-
-def hold_to_live_set() -> bool:
-    """Pin glibc's mmap threshold at MAP_ABOVE for the rest of the process (see the module docstring): large
-    tensors are then unmapped when freed, and resident memory follows the live set. Idempotent; False where there
-    is no glibc to ask (the heap then keeps its own regime, and the budget is only as good as its probe)."""
-    global _held
-    if not _held and _LIBC is not None:
-        try:
-            _held = bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, MAP_ABOVE))
-        except AttributeError:
-            pass
-    return _held
-
-
-def release_freed_memory() -> None:
-    """Hand the pages glibc holds for freed heap memory back to the system (``malloc_trim``; nothing elsewhere)."""
-    try:
-        _LIBC.malloc_trim(0)
-    except AttributeError:
-        pass
-
-
 class _HostPeak:
     """Peak resident memory of this process above its level at ``start`` (Linux: VmHWM reset via clear_refs)."""
 

@@ -32,26 +32,15 @@ from kvflow.model import attention
 from kvflow.model.attention import splits_at_the_chunk
 from kvflow.model.device import default_dtype
 from kvflow.model.device import resolve as resolve_device
+from kvflow.model.dtypes import parse_dtype
 from kvflow.model.host_memory import keep_freed_memory
 from kvflow.model.presets import PRESETS, build_config, parse_name
+from kvflow.model.shape import ModelShape
 from kvflow.threads import compute_threads, set_compute_threads
 
 # Grouped-query attention with an explicit mask: let SDPA broadcast K/V heads (enable_gqa) instead of
 # transformers materialising repeated K/V per call — same numbers, up to 4x faster attention at 8K+ on CPU.
 os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ModelError(f"unknown dtype {name!r}: use one of float32, bfloat16, float16") from None
-
 
 # Config fields that change the computation (others, e.g. _name_or_path or transformers_version, do not).
 _ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -141,8 +130,9 @@ class ModelRunner:
         if self._cache_kw is None:
             raise ModelError(f"{name}: decoder layer takes no cache argument; unsupported transformers version")
         self.num_layers = len(self.layers)
-        self.kv_heads = self.config.num_key_value_heads or self.config.num_attention_heads
-        self.head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        self.shape = ModelShape.from_config(name, self.config.to_dict())
+        assert self.shape.layers == self.num_layers, (self.shape.layers, self.num_layers)
+        self.kv_heads, self.head_dim = self.shape.kv_heads, self.shape.head_dim
         self.hidden_size = self.config.hidden_size
         self.dtype = next(hf_model.parameters()).dtype
         self._windows = [self._sliding_window(i) for i in range(self.num_layers)]
@@ -160,7 +150,7 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------------------- facts
     def kv_bytes_per_token(self, dtype: str | torch.dtype = "float32") -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * parse_dtype(dtype).itemsize
+        return self.shape.kv_bytes_per_token(dtype)
 
     def block_shape(self, n_tokens: int, n_layers: int) -> tuple[int, ...]:
         return (n_layers, 2, self.kv_heads, n_tokens, self.head_dim)

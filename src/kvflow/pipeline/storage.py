@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable
 
 from kvflow.chunks.record import HEADER_SIZE
-from kvflow.model.runner import parse_dtype
 from kvflow.pool.config import PoolConfig
 
 
@@ -48,7 +47,6 @@ def link_bandwidths(rate: Callable[[int], float], stages: list[tuple[int, int]],
 def boundary_overhead(runner, boundaries: list[int], chunk_tokens: int, storage_dtype: str = "float32") -> dict:
     """Bytes per token the boundary activations add (fp32, headers amortised) and their share of the KV."""
     act = len(boundaries) * (runner.hidden_size * 4 + HEADER_SIZE / chunk_tokens)
-    kv = runner.num_layers * (2 * runner.kv_heads * runner.head_dim * parse_dtype(storage_dtype).itemsize
-                              + HEADER_SIZE / chunk_tokens)
+    kv = runner.shape.kv_bytes_per_token(storage_dtype) + runner.num_layers * HEADER_SIZE / chunk_tokens
     return {"boundaries": list(boundaries), "act_bytes_per_token": act, "kv_bytes_per_token": kv,
             "percent_of_kv": 100.0 * act / kv}

@@ -136,7 +136,7 @@ class Stage:
         act_keys = {b: [row[0] for row in chunk_keys(ctx, fp, C, [(b, b)], kind="act")[:n]] for b, _ in stages[1:]}
         act_chunks = [n] + [_prefix(pool.contains(act_keys[b])) for b, _ in stages[1:]]
         links = bandwidths or [pool.read_bandwidth] * S
-        cell = C * self.cost.kv_bytes_per_token_layer * pool.dtype.itemsize // 4 + HEADER_SIZE
+        cell = C * runner.shape.kv_bytes_per_token_layer(pool.dtype) + HEADER_SIZE
         act = C * runner.hidden_size * 4 + HEADER_SIZE
         planner = PipelinePlanner(self.cost, C, cell, act, PlannerConfig(**self.spec["planner"]))
         req = Request(ctx.numel(), query.numel(), n)

@@ -26,9 +26,10 @@ import torch
 
 from kvflow.config import check, load_section, read_file
 from kvflow.errors import ConfigError
+from kvflow.model.dtypes import TORCH
 from kvflow.pool.devices.throttle import MAX_LATENCY_S
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = TORCH           # storage dtypes: model/dtypes.py's table
 PLACEMENTS = ("bandwidth", "equal", "overflow")
 REMOTE_PLACEMENTS = ("stripe", "copy")
 MIN_CAPACITY = 4096             # one page: a device's capacity is rounded down to whole pages

@@ -55,7 +55,7 @@ def build_engine(model: str, config: str | dict | None = None, *, seed: int = 0,
     if elastic_reserve:
         engine_cfg.elastic_reserve = True
     if engine_cfg.holds_to_live_set:
-        from kvflow.engine.reserve import hold_to_live_set
+        from kvflow.model.host_memory import hold_to_live_set
         hold_to_live_set()          # before the model loads: its heap holes are not left for served steps to reuse
     runner = load_model(model, seed=seed)
     tokenizer = load_tokenizer(model, runner.config.vocab_size)

@@ -1,0 +1,56 @@
+"""The cost profile for this model on this machine: the saved one while it still fits, else profiled now and saved.
+
+One staleness rule for every caller (restorer, CLI, benchmarks). A profile is saved per model fingerprint, device
+and torch thread count (``default_profile_path``), so weights, device and threads never mix. Within one such file
+the saved fit is used when its grid reached at least half the positions the caller will plan at
+(``fit.max_position >= max_position // 2``): the fitted terms are linear in position and hold a little beyond the
+grid; further out the file is measured again at ``max_position`` and replaced. Profiling now takes the fastest of
+two timings per point (``kvflow profile`` takes three and is the way to refresh a profile on purpose).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from kvflow.cost.model import CostModel, default_profile_path
+
+log = logging.getLogger("kvflow.cost")
+MAX_POSITION = 8192          # positions a caller that does not know its contexts plans at
+REPEATS = 2                  # timings per point when profiling on demand
+
+
+def saved_profile(runner, max_position: int = MAX_POSITION, threads: int | None = None) -> CostModel | None:
+    """The saved profile of ``runner`` with ``threads`` torch threads (default: the current count) if the rule above
+    says it still fits ``max_position``; None otherwise. A damaged file is a ConfigError naming it."""
+    path = default_profile_path(runner.name, runner.fingerprint, threads or torch.get_num_threads(),
+                                str(runner.device))
+    if not path.exists():
+        return None
+    cost = CostModel.load(path)
+    return cost if cost.fit.get("max_position", 0) >= max_position // 2 else None
+
+
+def cost_profile(runner, max_position: int = MAX_POSITION, *, threads: int | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> CostModel:
+    """:func:`saved_profile`, else a profile measured now (up to ``max_position``, with ``threads`` torch threads)
+    and saved where the next call finds it."""
+    cost = saved_profile(runner, max_position, threads)
+    if cost is not None:
+        return cost
+    from kvflow.cost.profiler import profile
+
+    before = torch.get_num_threads()
+    threads = threads or before
+    path = default_profile_path(runner.name, runner.fingerprint, threads, str(runner.device))
+    log.warning("no cost profile of %s up to %d positions here: profiling now (saved to %s)", runner.name,
+                max_position, path)
+    torch.set_num_threads(threads)
+    try:
+        cost = profile(runner, max_position=max_position, repeats=REPEATS, progress=progress)
+    finally:
+        torch.set_num_threads(before)
+    cost.save(path)
+    return cost
