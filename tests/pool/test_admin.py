@@ -242,7 +242,7 @@ def test_a_remote_store_that_does_not_answer_is_one_error_line_at_init(tmp_path)
 
 
 def test_a_standalone_redis_where_a_cluster_is_expected_is_one_error_line(tmp_path):
-    from tests.remote.redis_procs import RedisProcs, redis_available
+    from kvflow.pool.redis_local import RedisProcs, redis_available
     if (why := redis_available()) is not None:
         pytest.skip(why)
     rp = RedisProcs(masters=1, cluster=False).start()
