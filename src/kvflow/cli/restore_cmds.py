@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from kvflow.cli.limits import MAX_RHO, seed_option
 from kvflow.cli.main import app, bench_app
+from kvflow.demo.job import console, err_console, status
 from kvflow.errors import KVFlowError
 from kvflow.stats import comma_list
-
-console = Console(width=None if sys.stdout.isatty() else 160)  # full tables in logs too
-err_console = Console(stderr=True)
 
 
 def ensure_cost(runner, max_position: int):
@@ -42,10 +38,6 @@ def ensure_cost(runner, max_position: int):
     err_console.print(f"cost model saved to {path} (held-out error "
                       f"{cost.fit['held_out_median_rel_error']:.1%})")
     return cost
-
-
-def status(message: str) -> None:
-    err_console.print(f"[dim]… {message}[/dim]")
 
 
 def strategy_table(title: str, rows: dict[str, dict]) -> Table:
@@ -87,59 +79,18 @@ def demo(ctx: typer.Context,
     """The engine on its embedded defaults: a multi-round chat with recompute and cacheflow under memory pressure."""
     if ctx.invoked_subcommand is not None:
         return
-    import time
-
-    from kvflow.report import out_dir, print_table, save_figure, write_json
-    from kvflow.demo.chat import ChatWorkload, draw_cdf
-    from kvflow.demo.run import STRATEGIES, elapsed, run_demo
     from kvflow.cli.model_cmds import progress_bar
-    from kvflow.model import load_model
-    from kvflow.server.build import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL
+    from kvflow.demo.chat import ChatWorkload
+    from kvflow.demo.job import DemoOptions, demo_job, print_job
 
     w = ChatWorkload("chat", users, rounds, rate, system_tokens, user_tokens, answer_tokens, think, seed=seed)
-    w.validate()
-    if not 0 < kv_share <= 4:
-        raise KVFlowError("--kv-share must be in (0, 4]")
-    if repeats < 1:
-        raise KVFlowError("--repeats must be >= 1")
-    if home.exists() and not home.is_dir():
-        raise KVFlowError(f"--home {home} is not a folder")
-    model = model or DEFAULT_MODEL
-    t0 = time.perf_counter()
-    status(f"building {model}")
-    from kvflow.threads import in_fresh_thread
-    runner = in_fresh_thread(load_model, model)        # set-up off the thread that drives the server: threads.py
-    cost = in_fresh_thread(ensure_cost, runner, 8192)
-    folder = out_dir("demo", out)
-    with progress_bar("chat requests") as bar:
-        task = bar.add_task("chat requests (recompute and cacheflow, alternated)", total=None)
-        results, cdf = run_demo(runner, cost, w, home=home, chunk_tokens=DEFAULT_CHUNK_TOKENS, kv_share=kv_share,
-                                repeats=repeats, check=check, model=model,
-                                tick=lambda done, total: bar.update(task, completed=done, total=total))
-    results["wall_s"] = time.perf_counter() - t0
-    save_figure(folder / "ttft_cdf.png", draw_cdf(cdf, f"{model} chat, KV {kv_share:g}x working set"))
-    write_json(folder / "demo.json", results)
+    job = demo_job(DemoOptions(w, model, kv_share, repeats, check, home, out), cost_for=ensure_cost,
+                   progress_bar=progress_bar)
     if as_json:
-        print(json.dumps(results, indent=2, default=str))
+        print(json.dumps(job.results, indent=2, default=str))
         return
-    print_table(f"{model}: multi-round chat, {users} users x {rounds} turns, resident KV for "
-                f"{results['kv_budget_tokens']:,} of {results['working_set_tokens']:,} working-set tokens, pool on "
-                f"disk under {home}/", [results["runs"][s]["row"] for s in STRATEGIES],
-                ["config", "req", "err", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_mean_ms", "resident",
-                 "pool", "miss"], console=console)
-    rc, cf = (results["runs"][s]["summary"] for s in STRATEGIES)
-    console.print(f"cacheflow vs recompute (same run): P50 TTFT {cf['ttft_p50_s'] / rc['ttft_p50_s']:.2f}x, P99 "
-                  f"{cf['ttft_p99_s'] / rc['ttft_p99_s']:.2f}x, mean {cf['ttft_mean_s'] / rc['ttft_mean_s']:.2f}x. "
-                  f"resident / pool / miss: shares of prompt tokens from resident blocks, restored from the pool, "
-                  f"computed.")
-    exact = results["exact"]
-    if exact is not None:
-        verdict = "[green]equal[/]" if exact["all_equal"] else "[red]NOT equal[/]"
-        console.print(f"exactness: user 0's {len(exact['turns'])} turns replayed through the cacheflow server "
-                      f"({exact['cached_tokens']:,} of {exact['prompt_tokens']:,} prompt tokens cached): tokens "
-                      f"{verdict} to transformers' greedy generate")
-    console.print(f"done in {elapsed(t0)}; TTFT CDF {folder / 'ttft_cdf.png'}, JSON {folder / 'demo.json'}")
-    if exact is not None and not exact["all_equal"]:
+    print_job(job)
+    if not job.exact:
         raise typer.Exit(1)
 
 
