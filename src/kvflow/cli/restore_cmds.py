@@ -14,6 +14,7 @@ from rich.table import Table
 from kvflow.cli.limits import MAX_RHO, seed_option
 from kvflow.cli.main import app, bench_app
 from kvflow.demo.job import console, err_console, status
+from kvflow.demo.restore import strategy_table
 from kvflow.errors import KVFlowError
 from kvflow.stats import comma_list
 
@@ -38,22 +39,6 @@ def ensure_cost(runner, max_position: int):
     err_console.print(f"cost model saved to {path} (held-out error "
                       f"{cost.fit['held_out_median_rel_error']:.1%})")
     return cost
-
-
-def strategy_table(title: str, rows: dict[str, dict]) -> Table:
-    from kvflow.bench.restore_bench import speedups
-    sp = speedups(rows)["vs"] if "cacheflow" in rows else {}
-    table = Table(title=title)
-    for col in ("strategy", "TTFT s", "cacheflow speedup", "TTFT/bound", "predicted s", "TTFT/T*", "compute %",
-                "I/O %", "max |diff|", "plan"):
-        table.add_column(col, justify="left" if col in ("strategy", "plan") else "right")
-    for s, r in rows.items():
-        diff_ok = r["max_abs_diff"] <= 1e-4 and r["argmax_ok"]
-        table.add_row(s, f"{r['ttft_s']:.3f}", f"{sp[s]:.2f}x" if s in sp else "—", f"{r['vs_measured_bound']:.2f}",
-                      f"{r['predicted_s']:.3f}", f"{r['vs_model_bound']:.2f}", f"{r['compute_util']:.0%}",
-                      f"{r['io_util']:.0%}",
-                      f"[{'green' if diff_ok else 'red'}]{r['max_abs_diff']:.1e}[/]", r["plan"])
-    return table
 
 
 demo_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
@@ -108,43 +93,13 @@ def demo_restore(
     as_json: bool = typer.Option(False, "--json", help="print the results as JSON"),
 ) -> None:
     """Store a long context, restore it with every strategy at rho, compare with a fresh full prefill."""
-    from kvflow.report import out_dir, write_json
-    from kvflow.bench.restore_bench import make_bench, measure, public
-    from kvflow.executor import plot_timeline
-    from kvflow.model import load_model
-    from kvflow.planner import STRATEGIES
+    from kvflow.demo.restore import RestoreDemoOptions, print_restore_demo, restore_demo
 
-    from kvflow.model import parse_dtype
-    storage = str(parse_dtype(dtype)).removeprefix("torch.")   # a bad dtype is an error before any work
-    status(f"building {model}")
-    runner = load_model(model)
-    runner.check_context_len(context_len + query_len)     # before any profile or allocation
-    cost = ensure_cost(runner, max(context_len, 2048))
-    bench = make_bench(runner, cost, [context_len], query_len=query_len, progress=status, storage_dtype=storage)
-    try:
-        rate = bench.set_link("memory", rho)
-        rows = measure(bench, "memory", context_len, STRATEGIES, 1, status, "demo")
-    finally:
-        bench.close()
-    folder = out_dir("demo-restore", out)
-    png = folder / "timeline.png"
-    chosen = rows["cacheflow"]
-    plot_timeline(chosen["_result"].timeline, png, f"cacheflow restoring {context_len} tokens of {model} at "
-                  f"rho={rho:g}: {chosen['plan']}", bench.chunk_tokens)
-    data = public(rows)
-    write_json(folder / "demo.json", {"model": model, "context": context_len, "query": query_len, "rho": rho,
-                                      "recompute_rate_bytes_per_s": bench.recompute_rate,
-                                      "link_bytes_per_s": rate, "bound": bench.probes[context_len],
-                                      "results": data})
+    demo = restore_demo(RestoreDemoOptions(model, context_len, query_len, rho, dtype, out), cost_for=ensure_cost)
     if as_json:
-        print(json.dumps(data, indent=2))
+        print(json.dumps(demo.public, indent=2))
         return
-    console.print(strategy_table(f"{model}: restore {context_len} tokens + {query_len}-token query, rho={rho:g} "
-                                 f"(recompute measured at {bench.recompute_rate / 2**20:.1f} MiB/s of KV; pool "
-                                 f"throttled to {rate / 2**20:.1f} MiB/s)", rows))
-    console.print(f"TTFT/bound: over the bound measured in this run (per-chunk recompute, the link's rate, the "
-                  f"query alone); TTFT/T*: over the cost model's bound. Every strategy checked against one fresh "
-                  f"full prefill; timeline: {png}")
+    print_restore_demo(demo)
 
 
 @bench_app.command("restore")
