@@ -206,7 +206,7 @@ BENCHES = [
 WORK = ["kvflow.bench.pool_bench.run", "kvflow.bench.pipeline_bench.run", "kvflow.bench.shared_bench.run",
         "kvflow.bench.restore_bench.make_bench", "kvflow.bench.second_turn.run_second_turn",
         "kvflow.bench.serve_bench.batched_decode", "kvflow.demo.run.run_demo", "kvflow.bench.elastic_bench.run",
-        "kvflow.server.process.ServerProcess", "kvflow.bench.serve_bench.run_chat",
+        "kvflow.server.process.ServerProcess", "kvflow.bench.serve_run.run_chat",
         "kvflow.bench.serve_bench.run_soak", "kvflow.bench.bound.recompute_rate",
         "kvflow.model.host_memory.hold_to_live_set", "kvflow.bench.connector_bench.run"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -16,8 +17,37 @@ from kvflow.demo.chat import _text
 
 
 # ------------------------------------------------------------------------------------ batched decode
+@dataclass(slots=True)
+class DecodeResult:
+    """``kvflow bench decode``'s results.json (the median round; ``decode_speedup_each``: every round's)."""
+    model: str
+    sequences: int
+    prompt_len: int
+    max_tokens: int
+    repeats: int
+    together_s: float
+    one_at_a_time_s: float
+    together_decode_tok_s: float
+    one_at_a_time_decode_tok_s: float
+    decode_speedup: float
+    decode_speedup_each: list[float]
+    end_to_end_speedup: float
+    step_speedup: float
+    step_s: dict
+    same_tokens: bool
+
+    ROW = ("model", "sequences", "together_decode_tok_s", "one_at_a_time_decode_tok_s", "decode_speedup",
+           "end_to_end_speedup", "step_speedup", "same_tokens")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def row(self) -> dict:
+        return {k: getattr(self, k) for k in self.ROW}
+
+
 def batched_decode(runner, n: int = 8, prompt_len: int = 32, max_tokens: int = 64, block_size: int = 16,
-                   seed: int = 0, repeats: int = 3) -> dict:
+                   seed: int = 0, repeats: int = 3) -> DecodeResult:
     """Decode tokens/s of ``n`` sequences run together vs the same ``n`` one at a time (same engine config,
     greedy, eos ignored); also checks both give the same tokens."""
     import torch
@@ -55,15 +85,9 @@ def batched_decode(runner, n: int = 8, prompt_len: int = 32, max_tokens: int = 6
     decode_tokens = n * (max_tokens - 1)
     ratios = sorted(r[3] / r[1] for r in rounds)
     together_s, together_decode_s, alone_s, alone_decode_s = sorted(rounds, key=lambda r: r[3] / r[1])[len(rounds) // 2]
-    return {"model": runner.name, "sequences": n, "prompt_len": prompt_len, "max_tokens": max_tokens,
-            "repeats": repeats, "together_s": together_s, "one_at_a_time_s": alone_s,
-            "together_decode_tok_s": decode_tokens / together_decode_s,
-            "one_at_a_time_decode_tok_s": decode_tokens / alone_decode_s,
-            "decode_speedup": alone_decode_s / together_decode_s,          # the median round
-            "decode_speedup_each": ratios,
-            "end_to_end_speedup": alone_s / together_s,
-            "step_speedup": step_ratio, "step_s": step_s,
-            "same_tokens": same}
+    return DecodeResult(runner.name, n, prompt_len, max_tokens, repeats, together_s, alone_s,
+                        decode_tokens / together_decode_s, decode_tokens / alone_decode_s,
+                        alone_decode_s / together_decode_s, ratios, alone_s / together_s, step_ratio, step_s, same)
 
 
 def _step_ratio(runner, prompts: list[list[int]], block_size: int, trials: int = 30) -> tuple[float, dict]:
@@ -92,6 +116,42 @@ def _step_ratio(runner, prompts: list[list[int]], block_size: int, trials: int =
 
 
 # --------------------------------------------------------------------------------------------- soak
+@dataclass(slots=True)
+class SoakResult:
+    """``kvflow bench soak``'s results.json: request counts, the first errors, and (when RSS was sampled: ``rss``
+    holds (seconds since start, bytes) pairs) the server's RSS after warm-up, at its peak, at the end, and its
+    growth."""
+    clients: int
+    duration_s: float
+    valid: int = 0
+    valid_errors: int = 0
+    bad: int = 0
+    bad_4xx: int = 0
+    bad_other: int = 0
+    hangups: int = 0
+    first_errors: list[str] = field(default_factory=list)
+    rss: list[tuple[float, int]] = field(default_factory=list)
+
+    ROW = ("clients", "duration_s", "valid", "valid_errors", "bad", "bad_4xx", "bad_other", "hangups", "rss_growth")
+
+    @property
+    def failed(self) -> bool:
+        """A valid request failed or a bad one got something other than a 4xx."""
+        return bool(self.valid_errors or self.bad_other)
+
+    def to_json(self) -> dict:
+        out = {k: getattr(self, k) for k in self.ROW[:-1]} | {"first_errors": self.first_errors}
+        if self.rss:
+            warm = [v for t, v in self.rss if t >= 0.2 * self.duration_s] or [self.rss[-1][1]]
+            out.update(rss_after_warmup=warm[0], rss_max=max(warm), rss_end=warm[-1],
+                       rss_growth=max(warm) / warm[0] - 1.0, rss_samples=self.rss)
+        return out
+
+    def row(self) -> dict:
+        got = self.to_json()
+        return {k: got.get(k) for k in self.ROW}
+
+
 def bad_requests(model: str) -> list[tuple[str, dict]]:
     """(route, httpx request kwargs) of requests a server must refuse with 4xx."""
     c, ch = "/completions", "/chat/completions"
@@ -109,7 +169,7 @@ def bad_requests(model: str) -> list[tuple[str, dict]]:
 
 
 async def run_soak(base_url: str, model: str, clients: int = 8, duration_s: float = 300.0, seed: int = 0,
-                   rss=None, max_tokens: int = 8) -> dict:
+                   rss=None, max_tokens: int = 8) -> SoakResult:
     """``clients`` valid users (half streaming) and one client sending bad requests and hanging up mid-stream, for
     ``duration_s``. Valid requests must all succeed; bad ones must all get 4xx; RSS sampled once a second."""
     from kvflow.extras import require
@@ -175,9 +235,4 @@ async def run_soak(base_url: str, model: str, clients: int = 8, duration_s: floa
 
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
         await asyncio.gather(*[valid(u, http) for u in range(clients)], barrage(http), sampler())
-    out = {"clients": clients, "duration_s": duration_s, **counts, "first_errors": errors[:5]}
-    if samples:
-        warm = [v for t, v in samples if t >= 0.2 * duration_s] or [samples[-1][1]]
-        out.update(rss_after_warmup=warm[0], rss_max=max(warm), rss_end=warm[-1],
-                   rss_growth=max(warm) / warm[0] - 1.0, rss_samples=samples)
-    return out
+    return SoakResult(clients, duration_s, **counts, first_errors=errors[:5], rss=samples)

@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from kvflow.cli.limits import MAX_RHO, seed_option
 from kvflow.cli.main import app, bench_app
+from kvflow.demo.job import console, err_console, status
+from kvflow.demo.restore import strategy_table
 from kvflow.errors import KVFlowError
 from kvflow.stats import comma_list
-
-console = Console(width=None if sys.stdout.isatty() else 160)  # full tables in logs too
-err_console = Console(stderr=True)
 
 
 def ensure_cost(runner, max_position: int):
@@ -38,26 +35,6 @@ def ensure_cost(runner, max_position: int):
     err_console.print(f"cost model saved to {profiles_dir()} (held-out error "
                       f"{cost.fit['held_out_median_rel_error']:.1%})")
     return cost
-
-
-def status(message: str) -> None:
-    err_console.print(f"[dim]… {message}[/dim]")
-
-
-def strategy_table(title: str, rows: dict[str, dict]) -> Table:
-    from kvflow.bench.restore_bench import speedups
-    sp = speedups(rows)["vs"] if "cacheflow" in rows else {}
-    table = Table(title=title)
-    for col in ("strategy", "TTFT s", "cacheflow speedup", "TTFT/bound", "predicted s", "TTFT/T*", "compute %",
-                "I/O %", "max |diff|", "plan"):
-        table.add_column(col, justify="left" if col in ("strategy", "plan") else "right")
-    for s, r in rows.items():
-        diff_ok = r["max_abs_diff"] <= 1e-4 and r["argmax_ok"]
-        table.add_row(s, f"{r['ttft_s']:.3f}", f"{sp[s]:.2f}x" if s in sp else "—", f"{r['vs_measured_bound']:.2f}",
-                      f"{r['predicted_s']:.3f}", f"{r['vs_model_bound']:.2f}", f"{r['compute_util']:.0%}",
-                      f"{r['io_util']:.0%}",
-                      f"[{'green' if diff_ok else 'red'}]{r['max_abs_diff']:.1e}[/]", r["plan"])
-    return table
 
 
 demo_app = typer.Typer(invoke_without_command=True, no_args_is_help=False,
@@ -83,59 +60,18 @@ def demo(ctx: typer.Context,
     """The engine on its embedded defaults: a multi-round chat with recompute and cacheflow under memory pressure."""
     if ctx.invoked_subcommand is not None:
         return
-    import time
-
-    from kvflow.report import out_dir, print_table, save_figure, write_json
-    from kvflow.demo.chat import ChatWorkload, draw_cdf
-    from kvflow.demo.run import STRATEGIES, elapsed, run_demo
     from kvflow.cli.model_cmds import progress_bar
-    from kvflow.model import load_model
-    from kvflow.server.build import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL
+    from kvflow.demo.chat import ChatWorkload
+    from kvflow.demo.job import DemoOptions, demo_job, print_job
 
     w = ChatWorkload("chat", users, rounds, rate, system_tokens, user_tokens, answer_tokens, think, seed=seed)
-    w.validate()
-    if not 0 < kv_share <= 4:
-        raise KVFlowError("--kv-share must be in (0, 4]")
-    if repeats < 1:
-        raise KVFlowError("--repeats must be >= 1")
-    if home.exists() and not home.is_dir():
-        raise KVFlowError(f"--home {home} is not a folder")
-    model = model or DEFAULT_MODEL
-    t0 = time.perf_counter()
-    status(f"building {model}")
-    from kvflow.threads import in_fresh_thread
-    runner = in_fresh_thread(load_model, model)        # set-up off the thread that drives the server: threads.py
-    cost = in_fresh_thread(ensure_cost, runner, 8192)
-    folder = out_dir("demo", out)
-    with progress_bar("chat requests") as bar:
-        task = bar.add_task("chat requests (recompute and cacheflow, alternated)", total=None)
-        results, cdf = run_demo(runner, cost, w, home=home, chunk_tokens=DEFAULT_CHUNK_TOKENS, kv_share=kv_share,
-                                repeats=repeats, check=check, model=model,
-                                tick=lambda done, total: bar.update(task, completed=done, total=total))
-    results["wall_s"] = time.perf_counter() - t0
-    save_figure(folder / "ttft_cdf.png", draw_cdf(cdf, f"{model} chat, KV {kv_share:g}x working set"))
-    write_json(folder / "demo.json", results)
+    job = demo_job(DemoOptions(w, model, kv_share, repeats, check, home, out), cost_for=ensure_cost,
+                   progress_bar=progress_bar)
     if as_json:
-        print(json.dumps(results, indent=2, default=str))
+        print(json.dumps(job.results, indent=2, default=str))
         return
-    print_table(f"{model}: multi-round chat, {users} users x {rounds} turns, resident KV for "
-                f"{results['kv_budget_tokens']:,} of {results['working_set_tokens']:,} working-set tokens, pool on "
-                f"disk under {home}/", [results["runs"][s]["row"] for s in STRATEGIES],
-                ["config", "req", "err", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_mean_ms", "resident",
-                 "pool", "miss"], console=console)
-    rc, cf = (results["runs"][s]["summary"] for s in STRATEGIES)
-    console.print(f"cacheflow vs recompute (same run): P50 TTFT {cf['ttft_p50_s'] / rc['ttft_p50_s']:.2f}x, P99 "
-                  f"{cf['ttft_p99_s'] / rc['ttft_p99_s']:.2f}x, mean {cf['ttft_mean_s'] / rc['ttft_mean_s']:.2f}x. "
-                  f"resident / pool / miss: shares of prompt tokens from resident blocks, restored from the pool, "
-                  f"computed.")
-    exact = results["exact"]
-    if exact is not None:
-        verdict = "[green]equal[/]" if exact["all_equal"] else "[red]NOT equal[/]"
-        console.print(f"exactness: user 0's {len(exact['turns'])} turns replayed through the cacheflow server "
-                      f"({exact['cached_tokens']:,} of {exact['prompt_tokens']:,} prompt tokens cached): tokens "
-                      f"{verdict} to transformers' greedy generate")
-    console.print(f"done in {elapsed(t0)}; TTFT CDF {folder / 'ttft_cdf.png'}, JSON {folder / 'demo.json'}")
-    if exact is not None and not exact["all_equal"]:
+    print_job(job)
+    if not job.exact:
         raise typer.Exit(1)
 
 
@@ -153,43 +89,13 @@ def demo_restore(
     as_json: bool = typer.Option(False, "--json", help="print the results as JSON"),
 ) -> None:
     """Store a long context, restore it with every strategy at rho, compare with a fresh full prefill."""
-    from kvflow.report import out_dir, write_json
-    from kvflow.bench.restore_bench import make_bench, measure, public
-    from kvflow.executor import plot_timeline
-    from kvflow.model import load_model
-    from kvflow.planner import STRATEGIES
+    from kvflow.demo.restore import RestoreDemoOptions, print_restore_demo, restore_demo
 
-    from kvflow.model import parse_dtype
-    storage = str(parse_dtype(dtype)).removeprefix("torch.")   # a bad dtype is an error before any work
-    status(f"building {model}")
-    runner = load_model(model)
-    runner.check_context_len(context_len + query_len)     # before any profile or allocation
-    cost = ensure_cost(runner, max(context_len, 2048))
-    bench = make_bench(runner, cost, [context_len], query_len=query_len, progress=status, storage_dtype=storage)
-    try:
-        rate = bench.set_link("memory", rho)
-        rows = measure(bench, "memory", context_len, STRATEGIES, 1, status, "demo")
-    finally:
-        bench.close()
-    folder = out_dir("demo-restore", out)
-    png = folder / "timeline.png"
-    chosen = rows["cacheflow"]
-    plot_timeline(chosen["_result"].timeline, png, f"cacheflow restoring {context_len} tokens of {model} at "
-                  f"rho={rho:g}: {chosen['plan']}", bench.chunk_tokens)
-    data = public(rows)
-    write_json(folder / "demo.json", {"model": model, "context": context_len, "query": query_len, "rho": rho,
-                                      "recompute_rate_bytes_per_s": bench.recompute_rate,
-                                      "link_bytes_per_s": rate, "bound": bench.probes[context_len],
-                                      "results": data})
+    demo = restore_demo(RestoreDemoOptions(model, context_len, query_len, rho, dtype, out), cost_for=ensure_cost)
     if as_json:
-        print(json.dumps(data, indent=2))
+        print(json.dumps(demo.public, indent=2))
         return
-    console.print(strategy_table(f"{model}: restore {context_len} tokens + {query_len}-token query, rho={rho:g} "
-                                 f"(recompute measured at {bench.recompute_rate / 2**20:.1f} MiB/s of KV; pool "
-                                 f"throttled to {rate / 2**20:.1f} MiB/s)", rows))
-    console.print(f"TTFT/bound: over the bound measured in this run (per-chunk recompute, the link's rate, the "
-                  f"query alone); TTFT/T*: over the cost model's bound. Every strategy checked against one fresh "
-                  f"full prefill; timeline: {png}")
+    print_restore_demo(demo)
 
 
 @bench_app.command("restore")

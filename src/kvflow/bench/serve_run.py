@@ -1,0 +1,224 @@
+"""``kvflow bench serve`` as a function: the chat / docqa / agent load (demo/chat.py) against one server at ``url``, or
+against a local kvflow server (a process of its own) per configuration, rounds alternated, with an optional vLLM peer
+(bench/peer.py) serving the same model a round after each round of the kvflow configurations.
+
+    opts = ServeRunOptions(ChatWorkload.of("chat"), configs="resident,cacheflow")
+    run = serve_run(opts, cost_for=ensure_cost)         # writes ttft_cdf.png into run.folder
+    report(run.results, run.folder, [(run.title, run.rows)], as_json, run.footer)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+from kvflow.demo.chat import (ChatWorkload, draw_cdf, longest_history_tokens, median_summary, prompts_digest,
+                              records_json, result_row, run_chat, summarize, working_set_tokens)
+from kvflow.errors import KVFlowError
+
+TITLES = {"chat": "multi-round chat", "docqa": "long-document QA", "agent": "agent pipeline"}
+
+
+@dataclass(slots=True)
+class ServeRunOptions:
+    """What ``kvflow bench serve`` takes, parsed (the option help in cli/serve_cmds.py says what each one means;
+    the CLI bounds ``rho``)."""
+    workload: ChatWorkload
+    url: str | None = None
+    served_model: str | None = None
+    model: str = "tiny"
+    configs: str = "resident,recompute,cacheflow"
+    kv_share: float = 0.25
+    block_size: int = 16
+    chunk_tokens: int = 64
+    max_batched: int = 512
+    pool_dir: Path | None = None
+    rho: float | None = None
+    seed: int = 0
+    repeats: int = 1
+    peer: str | None = None
+    peer_venv: Path | None = None
+    peer_timeout: float = 600.0
+    token_ids: bool = False
+    out: Path | None = None
+
+
+@dataclass(slots=True)
+class ServeRun:
+    """A finished run: ``results`` (results.json), the table's ``rows`` under ``title``, the ``footer`` line."""
+    folder: Path
+    results: dict
+    rows: list[dict]
+    title: str
+    footer: str
+
+
+def parse_configs(configs: str) -> list[tuple[str, str, str | None]]:
+    """``resident,cacheflow+fcfs`` -> [(name, strategy, scheduling policy; None: the engine's default)]."""
+    from kvflow.engine.config import SCHEDULING_POLICIES
+    from kvflow.planner import STRATEGIES
+
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    parsed = [(name, *_parts(name)) for name in names]
+    bad = [n for n, strategy, policy in parsed if strategy not in ("resident", *STRATEGIES)
+           or policy not in (None, *SCHEDULING_POLICIES)]
+    if not names or bad:
+        raise KVFlowError(f"bad --configs entry {bad[0] if bad else configs!r}: resident or a strategy "
+                          f"({', '.join(STRATEGIES)}), optionally +POLICY ({', '.join(SCHEDULING_POLICIES)})")
+    return parsed
+
+
+def _parts(name: str) -> tuple[str, str | None]:
+    strategy, plus, policy = name.partition("+")
+    return strategy, policy if plus else None
+
+
+def serve_run(o: ServeRunOptions, cost_for: Callable, note: Callable[[str], None] = lambda line: None) -> ServeRun:
+    """Run ``o`` and save its TTFT CDF; ``cost_for(runner, max_position)`` gives the cost model the restoring
+    configurations plan with, ``note`` takes the progress lines meant for stderr."""
+    from kvflow.report import out_dir, save_figure
+
+    w = o.workload
+    token_ids = o.token_ids
+    if o.peer is not None:
+        from kvflow.bench.peer import PEERS
+        if o.peer not in PEERS:
+            raise KVFlowError(f"unknown --peer {o.peer!r}: use {', '.join(PEERS)}")
+        if o.url is not None:
+            raise KVFlowError("--peer runs beside the local kvflow configurations, not with --url")
+        if not 0 < o.peer_timeout <= 86400:
+            raise KVFlowError(f"--peer-timeout must be in (0, 86400] seconds, got {o.peer_timeout:g}")
+        token_ids = True
+    if o.url is not None and token_ids:
+        raise KVFlowError("--token-ids needs the local model's tokenizer, not --url")
+    folder = out_dir("serve", o.out)
+    results = {"workload": {**{k: getattr(w, k) for k in w.__slots__}}, "runs": {}}
+    if o.url is not None:
+        if not o.served_model:
+            raise KVFlowError("--url needs --served-model (the model name that server serves)")
+        records, wall = asyncio.run(run_chat(o.url, o.served_model, w))
+        summary = summarize(records, wall)
+        runs = {o.url: records}
+        rows = [result_row(o.url, summary, None)]
+        results["runs"][o.url] = {"summary": summary, "turns": records_json(records)}
+    else:
+        runs, rows = _run_local(o, token_ids, folder, results, cost_for, note)
+    title = TITLES[w.kind]
+    save_figure(folder / "ttft_cdf.png", draw_cdf(runs, title))
+    footer = f"results in {folder} (results.json, ttft_cdf.png)"
+    if "vs_peer" in results:
+        ratios = ", ".join(f"{n} P99 {v['ttft_p99_s_ratio']:.2f}x mean {v['ttft_mean_s_ratio']:.2f}x "
+                           f"(later turns P99 {v['later_ttft_p99_s_ratio']:.2f}x)"
+                           for n, v in results["vs_peer"].items())
+        footer = (f"TTFT vs {o.peer}: {ratios}; same prompt ids on both: {results['same_prompts']}\n" + footer)
+    return ServeRun(folder, results, rows, title, footer)
+
+
+def _run_local(o: ServeRunOptions, token_ids: bool, folder: Path, results: dict, cost_for: Callable,
+               note: Callable[[str], None]) -> tuple[dict, list[dict]]:
+    """Each configuration in a kvflow server of its own (and the peer, if any), ``o.repeats`` rounds alternated;
+    fills ``results``, returns (TTFT records per configuration, table rows)."""
+    from kvflow import load_model
+    from kvflow.server.process import ServerProcess, engine_for
+    from kvflow.threads import in_fresh_thread
+
+    w, peer = o.workload, o.peer
+    configs = parse_configs(o.configs)
+    names = [c[0] for c in configs]
+    if not 0 < o.kv_share <= 4:
+        raise KVFlowError("--kv-share must be in (0, 4]")
+    if o.repeats < 1:
+        raise KVFlowError("--repeats must be >= 1")
+    venv = None
+    if peer is not None:
+        from kvflow.bench.peer import NOT_INSTALLED
+        from kvflow.integrations.vllm_server import vllm_venv
+        venv = vllm_venv(o.peer_venv)
+        if venv is None:
+            note(f"note: {NOT_INSTALLED}" + (f" (no vLLM in {o.peer_venv})" if o.peer_venv else ""))
+            results["peer"] = {"name": peer, "skipped": NOT_INSTALLED}
+    # every set-up step that computes runs on a thread of its own, so that this (the client's) thread keeps no
+    # OpenMP team beside the engine thread's: kvflow/threads.py
+    runner = in_fresh_thread(load_model, o.model)
+    cost = in_fresh_thread(cost_for, runner, 8192) if any(c[1] != "resident" for c in configs) else None
+    ws = working_set_tokens(w)
+    kv_tokens = max(int(ws * o.kv_share), longest_history_tokens(w) + w.answer_tokens + o.block_size)
+    kv_budget = kv_tokens * runner.kv_bytes_per_token()
+    rate = None
+    if o.rho is not None:
+        from kvflow.bench.bound import recompute_rate
+        rate = in_fresh_thread(recompute_rate, runner, o.chunk_tokens)
+    results.update(model=o.model, working_set_tokens=ws, kv_budget_tokens=kv_tokens, rho=o.rho,
+                   recompute_rate_bytes_per_s=rate,
+                   pool="memory" if o.pool_dir is None else f"extent file under {o.pool_dir}")
+    tokenizer = None
+    if token_ids:
+        from kvflow.engine.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(o.model, runner.config.vocab_size)
+    rounds_of = {name: [] for name in names}
+    with contextlib.ExitStack() as stack:         # the peer, if any, is stopped whatever happens
+        vllm = None
+        if venv is not None:
+            from kvflow.bench.peer import running_peer
+            note(f"starting the {peer} peer from {venv} (log: {folder / 'vllm.log'}) ...")
+            vllm = in_fresh_thread(stack.enter_context,        # saving the checkpoint computes
+                                   running_peer(peer, runner, o.model, kv_tokens, o.block_size, o.max_batched,
+                                                folder, venv, seed=o.seed, timeout_s=o.peer_timeout))
+            rounds_of[peer] = []
+            results["peer"] = {"name": peer, "venv": str(venv), "command": vllm.command(),
+                               "env": {k: v for k, v in vllm.env().items() if k.startswith("VLLM_")},
+                               "block_size": vllm.profile.peer_block_size,
+                               "num_blocks": vllm.profile.num_blocks,
+                               "kv_budget_tokens": vllm.profile.max_model_len}
+        for _ in range(o.repeats):                # configurations alternate: a shared machine drifts
+            for name, strategy, policy in configs:
+                build = partial(engine_for, o.model, 0, strategy=None if strategy == "resident" else strategy,
+                                scheduling_policy=policy,
+                                kv_budget=kv_budget, block_size=o.block_size,
+                                pool_bytes=4 * ws * runner.kv_bytes_per_token() + (64 << 20),
+                                chunk_tokens=o.chunk_tokens, max_num_batched_tokens=o.max_batched, cost=cost,
+                                pool_dir=None if o.pool_dir is None else str(o.pool_dir), rho=o.rho,
+                                recompute_rate=rate)
+                with ServerProcess(build, o.model) as server:       # its own process: no GIL with this client
+                    records, wall = asyncio.run(run_chat(server.url, o.model, w, tokenizer=tokenizer))
+                rounds_of[name].append((records, summarize(records, wall), server.hit_split()))
+            if vllm is not None:                  # right after, same workload and seed, its cache emptied
+                if not vllm.reset_prefix_cache():
+                    raise KVFlowError("the vLLM peer did not empty its prefix cache before a round")
+                records, wall = asyncio.run(run_chat(vllm.url, o.model, w, tokenizer=tokenizer))
+                rounds_of[peer].append((records, summarize(records, wall), None))
+    runs, rows = {}, []
+    for name, rounds_ in rounds_of.items():
+        summary = median_summary([r[1] for r in rounds_])
+        split = rounds_[-1][2]
+        runs[name] = [rec for r in rounds_ for rec in r[0]]
+        rows.append(result_row(name, summary, split))
+        results["runs"][name] = {"summary": summary, "hit_split": split,
+                                 "rounds": [{"summary": r[1], "hit_split": r[2]} for r in rounds_],
+                                 "turns": records_json(rounds_[-1][0])}
+        if tokenizer is not None:
+            results["runs"][name]["prompts_digest"] = [prompts_digest(r[0]) for r in rounds_]
+    if peer in rounds_of:
+        _compare_with_peer(results, rounds_of, names, peer)
+    return runs, rows
+
+
+def _compare_with_peer(results: dict, rounds_of: dict, names: list[str], peer: str) -> None:
+    """``vs_peer``: each configuration's TTFT over the peer's (medians, and round i against the peer's round i);
+    ``same_prompts``: both were sent the same prompt ids."""
+    ref = results["runs"][peer]["summary"]
+
+    def paired(name: str, k: str) -> list[float]:
+        return [a[1][k] / b[1][k] for a, b in zip(rounds_of[name], rounds_of[peer])]
+    results["vs_peer"] = {name: {**{f"{k}_ratio": results["runs"][name]["summary"][k] / ref[k]
+                                    for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "later_ttft_p99_s",
+                                              "later_ttft_mean_s")},
+                                 "rounds_ttft_p99_ratio": paired(name, "ttft_p99_s"),
+                                 "rounds_ttft_mean_ratio": paired(name, "ttft_mean_s")}
+                          for name in names}
+    digests = {d for name in rounds_of for d in results["runs"][name]["prompts_digest"]}
+    results["same_prompts"] = len(digests) == 1
