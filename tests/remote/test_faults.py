@@ -13,7 +13,7 @@ import redis
 from kvflow import KVPool, Restorer
 from kvflow.errors import ConfigError
 from kvflow.pool import pool as pool_module
-from kvflow.pool.devices.remote import RemoteDevice
+from kvflow.pool.devices.remote import RemoteStore
 from tests.remote.helpers import context, remote_cfg, remote_slot
 from kvflow.pool.redis_local import RedisProcs, redis_available
 from tests.remote.slow_proxy import SlowProxy
@@ -50,14 +50,14 @@ def test_a_node_killed_mid_read_makes_its_records_misses_and_the_restore_recompu
     with pool:
         assert restorer.lookup(ctx, query.numel())[0].stored_chunks == 6
         lost = on_node(fresh_cluster, restorer, ctx, 1)
-        real, once = RemoteDevice.pipelined, threading.Lock()
+        real, once = RemoteStore._pipelined, threading.Lock()
 
         def kill_then_read(conn, op, keys, values=None, ttl=0):
             if op == "get" and once.acquire(blocking=False):
                 fresh_cluster.kill(1)                 # while the restore's reads are in flight
             return real(conn, op, keys, values, ttl)
 
-        monkeypatch.setattr(RemoteDevice, "pipelined", staticmethod(kill_then_read))
+        monkeypatch.setattr(RemoteStore, "_pipelined", staticmethod(kill_then_read))
         out = restorer.restore(ctx, query, "load")
         assert_exact(tiny, out, ctx, query)
         st = pool.stats()

@@ -19,6 +19,7 @@ from kvflow import KVPool
 from kvflow.chunks.record import decode
 from kvflow.errors import ConfigError
 from kvflow.pool.config import PoolConfig
+from kvflow.pool.devices.keyed import record_name
 from tests.remote.helpers import FP, GROUPS, context, remote_cfg, remote_slot
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -70,7 +71,7 @@ def test_a_second_pool_without_an_index_finds_the_context_in_a_few_rounds_and_re
     with KVPool.open(remote_cfg(cluster)) as first:
         first.put_many(data)
     with KVPool.open(remote_cfg(cluster)) as second:
-        dev = second.slots[0].device.inner
+        dev = second.slots[0].store
         before = dev.rounds
         assert second.longest_prefix(ids, FP, GROUPS) == 40 * 16
         assert dev.rounds - before == 1                        # the whole context: the last chunk answers
@@ -98,7 +99,7 @@ def test_one_server_mode_stores_and_finds_like_the_cluster(server):
 def test_store_keys_are_the_record_digest_in_every_process_whatever_its_hash_seed(cluster):
     ids, keys, _ = context(3)
     with KVPool.open(remote_cfg(cluster)) as pool:
-        here = [pool.slots[0].device.inner.store_key(k.digest).decode() for row in keys for k in row]
+        here = [pool.slots[0].store.key(record_name(k.digest)).decode() for row in keys for k in row]
     code = ("import sys, json, torch; from kvflow.chunks.keys import chunk_keys; "
             "ids = torch.tensor(json.loads(sys.argv[1])); "
             f"print(json.dumps(['kvflow:' + k.hex for row in chunk_keys(ids, {FP!r}, 16, {GROUPS!r}) for k in row]))")
@@ -164,7 +165,7 @@ def test_credentials_never_appear_in_names_or_reprs(monkeypatch):
 def test_a_context_the_store_does_not_hold_costs_one_round_trip(cluster):
     ids, _, _ = context(64, seed=9)
     with KVPool.open(remote_cfg(cluster)) as pool:
-        dev = pool.slots[0].device.inner
+        dev = pool.slots[0].store
         before = dev.rounds
         assert pool.longest_prefix(ids, FP, GROUPS) == 0
         assert dev.rounds - before == 1

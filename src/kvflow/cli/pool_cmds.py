@@ -73,7 +73,7 @@ def init(config: Path = typer.Argument(..., help="pool config (YAML/TOML) to cre
         pool_log.setLevel(level)
     with pool:
         for s in pool.slots:
-            if why := getattr(s.device.inner, "unreachable", ""):     # serving starts without it; creating does not
+            if why := s.store is not None and s.store.unreachable:     # serving starts without it; creating does not
                 raise ConfigError(f"{why}: the store does not answer; check its address, or start it first")
         _show("pool created", pool.stats())
 

@@ -35,10 +35,10 @@ import torch
 from kvflow.chunks.keys import ChunkKey, layer_tail, prefix_hashes, record_digest
 from kvflow.chunks.record import DTYPE_CODES, HEADER_SIZE, decode, encode_into, parse_header, record_size
 from kvflow.errors import ConfigError, KVFlowError, RecordError, StoreError
-from kvflow.pool import eviction
+from kvflow.pool import eviction, keyed
 from kvflow.pool.allocator import ExtentAllocator, round_up
 from kvflow.pool.config import PoolConfig
-from kvflow.pool.devices import Throttled, open_device, remote
+from kvflow.pool.devices import Throttled, open_tier
 from kvflow.pool.devices.base import padded
 from kvflow.pool.devices.throttle import MAX_LATENCY_S, check_latency
 from kvflow.pool.fsck import fsck
@@ -139,7 +139,7 @@ class KVPool:
         next_id = max((d["id"] for d in manifest["devices"]), default=-1) + 1
         for dcfg in cfg.devices:
             try:
-                device = open_device(dcfg, readonly=self.readonly)
+                device, store = open_tier(dcfg, readonly=self.readonly)
             except OSError as err:
                 raise ConfigError(f"device {dcfg.name}: {err.strerror or err}") from None
             if dcfg.persistent:
@@ -155,8 +155,9 @@ class KVPool:
             io = ThreadPoolExecutor(dcfg.workers, thread_name_prefix=f"kvpool-dev{len(st.slots)}",
                                     initializer=single_threaded)
             st.slots.append(Slot(Throttled(device, dcfg.throttle, dcfg.latency_s), dcfg, ident,
-                                 ExtentAllocator(device.capacity, device.align), io, bw, cap=dcfg.throttle))
-            if not getattr(device, "reachable", True):   # a remote store down at open: the pool starts without it
+                                 ExtentAllocator(device.capacity, device.align), io, bw, cap=dcfg.throttle,
+                                 store=store))
+            if store is not None and not store.reachable:   # a store down at open: the pool starts without it
                 st.slots[-1].healthy = False
                 self._down[len(st.slots) - 1] = time.monotonic()
         st.table = LookupTable(len(st.slots))
@@ -178,7 +179,7 @@ class KVPool:
             except OSError as err:
                 log.warning("pool index %s: cannot rewrite the manifest (%s)", cfg.index_dir, err.strerror or err)
         self._placement = make_placement(cfg.placement,
-                                         remote.weights(st, [s.read_bw if s.healthy else 0.0 for s in st.slots]))
+                                         keyed.weights(st, [s.read_bw if s.healthy else 0.0 for s in st.slots]))
 
     def _check_index_is_ours(self, manifest: dict) -> None:
         """An index folder belongs to one pool: the persistent devices its manifest records. A config that leaves
@@ -348,7 +349,7 @@ class KVPool:
                 raise StoreError(f"pool index {self.cfg.index_dir}: the log could not be made durable "
                                  f"({err.strerror or err}); {len(done)} records of this put may be lost on a crash",
                                  0, len(done) + len(failed)) from None
-        remote.copy(st, [(p[0], p[1], p[5]) for p, _ in done], dtype, self._io_error)   # remote_placement: copy
+        keyed.copy(st, [(p[0], p[1], p[5]) for p, _ in done], dtype, self._io_error)   # remote_placement: copy
         if unexpected is not None:
             raise unexpected
         if causes and self.cfg.durability == "strict":
@@ -386,7 +387,7 @@ class KVPool:
                    for key, entry in plan]
         bad = []
         try:
-            out.update(remote.fetch(st, unknown, self._io_error))   # keys this index does not know: the shared store
+            out.update(keyed.fetch(st, unknown, self._io_error))   # keys this index does not know: the keyed stores
             for key, entry, fut in futures:
                 try:
                     out[key] = fut.result()
@@ -406,7 +407,7 @@ class KVPool:
             _check_key(key)
         with st.lock:
             local = [(e := st.table.get(k.digest)) is not None and st.slots[e.dev].healthy for k in keys]
-        return remote.contains(st, keys, local, self._io_error)    # what the index does not know: asked of the store
+        return keyed.contains(st, keys, local, self._io_error)    # what the index does not know: asked of the stores
 
     def longest_prefix(self, token_ids, fingerprint: str, layer_groups: list[tuple[int, int]] | None = None,
                        kind: str = "kv") -> int:
@@ -429,7 +430,7 @@ class KVPool:
                 n = i + 1
                 continue
             break
-        n = remote.extend_prefix(st, hashes, tails, n, self._io_error)   # beyond the index: binary search in the store
+        n = keyed.extend_prefix(st, hashes, tails, n, self._io_error)   # beyond the index: binary search in the stores
         with st.lock:
             st.counters["lookup_s"] += time.perf_counter() - t0
             st.counters["lookup_calls"] += 1
@@ -683,7 +684,7 @@ class KVPool:
                 self._reweigh()
 
     def _reweigh(self) -> None:
-        weights = remote.weights(self._state, [s.read_bw if s.healthy else 0.0 for s in self._state.slots])
+        weights = keyed.weights(self._state, [s.read_bw if s.healthy else 0.0 for s in self._state.slots])
         if any(weights):
             self._placement.set_weights(weights)
 
@@ -707,7 +708,7 @@ class KVPool:
         try:
             data = _retry(slot.device.read, entry.offset, entry.length, out)
             header, tensor = decode(data.numpy(), expect=key)
-            if header.seq != entry.seq and not getattr(slot.device, "content_addressed", False):   # remote: any
+            if header.seq != entry.seq and slot.store is None:   # a keyed store holds any engine's sequence
                 raise RecordError(f"record sequence {header.seq} differs from the index ({entry.seq}): stale extent")
         except BaseException:
             if out is not None:

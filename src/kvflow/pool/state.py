@@ -2,7 +2,8 @@
 lookup table, the log, the lock and the counters. The façade (``pool.py``), recovery, fsck and eviction each work on
 a ``PoolState``; none reaches into another's privates.
 
-    PoolState ── slots[i]: Slot(device behind its throttle, allocator, I/O workers, b_i, health, counters)
+    PoolState ── slots[i]: Slot(device behind its throttle, allocator, I/O workers, b_i, health, counters,
+                                store: the keyed store behind the device, None for a striped one)
               ── table:    LookupTable (digest -> Entry(dev, offset, length, seq, checksum, pins))
               ── journal:  Journal | None (manifest + write-ahead log + checkpoint; None: nothing persists)
               ── lock:     guards table, allocators, counters, discards and next_seq
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kvflow.pool.allocator import ExtentAllocator
 from kvflow.pool.config import DeviceConfig, PoolConfig
-from kvflow.pool.devices import Throttled
+from kvflow.pool.devices import KeyedStore, Throttled
 from kvflow.pool.index import LookupTable
 from kvflow.pool.journal import Journal
 from kvflow.pool.organizer import Bandwidth, effective
@@ -36,6 +37,7 @@ class Slot:
     io: ThreadPoolExecutor
     bw: Bandwidth                  # unthrottled
     cap: float | None = None       # current throttle (bytes/s)
+    store: KeyedStore | None = None   # a keyed store (asked by name for what the index does not know); None: striped
     healthy: bool = True
     errors_in_row: int = 0
     counters: dict = field(default_factory=lambda: dict.fromkeys(DEVICE_COUNTERS, 0))

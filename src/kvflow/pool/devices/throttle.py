@@ -105,6 +105,13 @@ class Throttled:
         self.inner.commit(offset, buf)
         self._wait_until(deadline)
 
+    def pay(self, nbytes: int, since: float) -> None:
+        """Wait as a read of ``nbytes`` begun at ``since`` would: for transfers that bypass ``read`` (keyed ones)."""
+        bucket, latency = self._read, self.latency
+        if bucket is None and not latency:
+            return
+        self._wait_until((bucket.reserve(nbytes, burst=not latency) if bucket is not None else since) + latency)
+
     def __getattr__(self, name):   # staging, sync, close, capacity, kind, ... come from the device itself
         return getattr(self.inner, name)
 
