@@ -24,3 +24,20 @@ def synthetic_cost(runner, b=2e-8) -> CostModel:
     return CostModel(runner.name, runner.fingerprint, 2, a=2e-6, b=b, d=3e-4, e=2e-4, head=1e-4,
                      kv_bytes_per_token_layer=runner.kv_bytes_per_token() // runner.num_layers,
                      num_layers=runner.num_layers)
+
+
+BROKEN_SEED = 13
+
+
+def break_sampling_of_seed(monkeypatch, message: str = "this request's sampler broke") -> int:
+    """From now on the engine's sampler raises for requests seeded ``BROKEN_SEED`` (a failure that belongs to one
+    request, inside a step) and samples as usual for every other; returns the seed."""
+    import kvflow.engine.engine as engine_mod
+    real = engine_mod.sample
+
+    def flaky(logits, params, generator):
+        if params.seed == BROKEN_SEED:
+            raise RuntimeError(message)
+        return real(logits, params, generator)
+    monkeypatch.setattr(engine_mod, "sample", flaky)
+    return BROKEN_SEED

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from kvflow.engine import EngineConfig, LLMEngine, RequestError, SamplingError, SamplingParams
 from kvflow.engine.sampling import sample
 from kvflow.engine.tokenizer import ByteTokenizer
-from tests.engine.helpers import hf_greedy, ids
+from tests.engine.helpers import break_sampling_of_seed, hf_greedy, ids
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(max_tokens=-1), dict(temperature=-0.1),
@@ -48,17 +48,10 @@ def test_every_value_validate_admits_samples_a_token_and_never_raises(temperatur
 def test_a_request_that_fails_inside_a_step_ends_alone_and_its_step_mates_are_served(tiny, monkeypatch):
     """One request's own failure (here its sampler) gives it finish_reason "error"; the others in the same steps
     finish exactly as generate does."""
-    import kvflow.engine.engine as engine_mod
-    real = engine_mod.sample
-
-    def flaky(logits, params, generator):
-        if params.seed == 13:
-            raise RuntimeError("this request's sampler broke")
-        return real(logits, params, generator)
-    monkeypatch.setattr(engine_mod, "sample", flaky)
+    seed = break_sampling_of_seed(monkeypatch)
     engine = LLMEngine(tiny)
     good = [engine.add_request(ids(12, s), SamplingParams(max_tokens=5)) for s in (1, 2)]
-    bad = engine.add_request(ids(10, 3), SamplingParams(max_tokens=5, temperature=1.0, seed=13))
+    bad = engine.add_request(ids(10, 3), SamplingParams(max_tokens=5, temperature=1.0, seed=seed))
     outs = {}
     while engine.has_unfinished():
         for out in engine.step():

@@ -45,3 +45,21 @@ def flip_byte(path, pos: int, mask: int = 0x40, sync: bool = False) -> None:
         f.write(bytes([b[0] ^ mask]))
         if sync:
             os.fsync(f.fileno())
+
+
+def fill(cfg, n: int = 8, seed: int = 0) -> list[ChunkKey]:
+    """``n`` records put into the pool of config ``cfg`` (opened and closed); their keys."""
+    from kvflow.pool import KVPool
+    keys = context_keys(n, seed=seed)
+    with KVPool.open(cfg) as pool:
+        assert pool.put_many({k: tensor_for(k) for k in keys}) == n
+    return keys
+
+
+def served(cfg, keys) -> int:
+    """How many of ``keys`` the pool of ``cfg`` serves — never a wrong record."""
+    from kvflow.pool import KVPool
+    with KVPool.open(cfg) as pool:
+        got = pool.get_many(keys)
+    assert all(v is None or torch.equal(v, tensor_for(k)) for k, v in got.items()), "never a wrong record"
+    return sum(v is not None for v in got.values())

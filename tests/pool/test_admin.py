@@ -21,7 +21,11 @@ from kvflow.errors import ConfigError, KVFlowError, StoreError
 from kvflow.pool import KVPool
 from kvflow.pool.devices.signatures import looks_like_data
 
-from .helpers import context_keys, tensor_for
+from .helpers import context_keys, fill as _fill, served, tensor_for
+
+
+def fill(cfg, n=12, seed=0):
+    return _fill(cfg, n, seed)
 
 
 def cfg_for(tmp_path, index="idx", disk="disk.img", files="files") -> dict:
@@ -35,20 +39,6 @@ def write_yaml(tmp_path, cfg, name="kvflow.yaml"):
     path = tmp_path / name
     path.write_text(yaml.safe_dump({"pool": cfg}))
     return path
-
-
-def fill(cfg, n=12, seed=0) -> list:
-    keys = context_keys(n, seed=seed)
-    with KVPool.open(cfg) as pool:
-        assert pool.put_many({k: tensor_for(k) for k in keys}) == n
-    return keys
-
-
-def served(cfg, keys) -> int:
-    with KVPool.open(cfg) as pool:
-        got = pool.get_many(keys)
-    assert all(v is None or torch.equal(v, tensor_for(k)) for k, v in got.items()), "never a wrong record"
-    return sum(v is not None for v in got.values())
 
 
 def one_error_line(capsys, *words) -> str:

@@ -19,27 +19,13 @@ from kvflow.pool.config import DeviceConfig
 from kvflow.pool.devices import open_device
 from kvflow.pool.devices.base import SUPERBLOCK, aligned_empty, parse_owner
 
-from .helpers import context_keys, odirect_supported, tensor_for
+from .helpers import fill, odirect_supported, served
 
 
 def cfg_for(tmp_path, index="idx", **dev) -> dict:
     return {"index_dir": str(tmp_path / index), "chunk_tokens": 16, "devices": [
         {"type": "extent", "path": str(tmp_path / "disk.img"), "capacity": "2M", "bandwidth": "1G",
          "zero_fill": False, "direct": False, **dev}]}
-
-
-def fill(cfg, seed=0, n=8):
-    keys = context_keys(n, seed=seed)
-    with KVPool.open(cfg) as pool:
-        assert pool.put_many({k: tensor_for(k) for k in keys}) == n
-    return keys
-
-
-def served(cfg, keys) -> int:
-    with KVPool.open(cfg) as pool:
-        got = pool.get_many(keys)
-    assert all(v is None or torch.equal(v, tensor_for(k)) for k, v in got.items())
-    return sum(v is not None for v in got.values())
 
 
 def test_the_superblock_names_the_pool_and_has_a_backup(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow import KVPool, Restorer
-from tests.engine.helpers import hf_greedy, ids, synthetic_cost
+from tests.engine.helpers import break_sampling_of_seed, hf_greedy, ids, synthetic_cost
 from tests.server.helpers import MODEL, client, make_app, run, sse_events
 
 
@@ -141,21 +141,14 @@ def test_an_engine_failure_answers_500_and_the_next_request_is_served(tiny):
 
 
 def test_a_request_that_fails_inside_a_step_answers_500_alone_while_its_step_mates_are_served(tiny, monkeypatch):
-    import kvflow.engine.engine as engine_mod
-    real = engine_mod.sample
-
-    def flaky(logits, params, generator):
-        if params.seed == 13:
-            raise RuntimeError("broken sampler")
-        return real(logits, params, generator)
-    monkeypatch.setattr(engine_mod, "sample", flaky)
+    seed = break_sampling_of_seed(monkeypatch, "broken sampler")
     app, engine = make_app(tiny)
 
     async def go():
         async with client(app) as c:
             return await asyncio.gather(
                 c.post("/v1/completions", json=completion(ids(9, 1), max_tokens=8)),
-                c.post("/v1/completions", json=completion(ids(9, 2), temperature=1.0, seed=13)),
+                c.post("/v1/completions", json=completion(ids(9, 2), temperature=1.0, seed=seed)),
                 c.post("/v1/completions", json=completion(ids(9, 3), max_tokens=8, stream=True)))
     ok, failed, streamed = run(go())
     assert failed.status_code == 500 and "broken sampler" in failed.json()["error"]["message"]
