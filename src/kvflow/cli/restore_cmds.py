@@ -14,7 +14,7 @@ from rich.table import Table
 from kvflow.cli.limits import MAX_RHO, seed_option
 from kvflow.cli.main import app, bench_app
 from kvflow.demo.job import console, err_console, status
-from kvflow.demo.restore import strategy_table
+from kvflow.bench.restore_demo import strategy_table
 from kvflow.errors import KVFlowError
 from kvflow.stats import comma_list
 
@@ -89,7 +89,7 @@ def demo_restore(
     as_json: bool = typer.Option(False, "--json", help="print the results as JSON"),
 ) -> None:
     """Store a long context, restore it with every strategy at rho, compare with a fresh full prefill."""
-    from kvflow.demo.restore import RestoreDemoOptions, print_restore_demo, restore_demo
+    from kvflow.bench.restore_demo import RestoreDemoOptions, print_restore_demo, restore_demo
 
     demo = restore_demo(RestoreDemoOptions(model, context_len, query_len, rho, dtype, out), cost_for=ensure_cost)
     if as_json:

@@ -1,5 +1,6 @@
-"""``kvflow demo restore``: one long context stored, then restored with every strategy over a pool link throttled to
-rho x the measured recompute rate, each checked against one fresh full prefill; a table and cacheflow's timeline.
+"""``kvflow demo restore``, a run of the restoration bench (so it lives in bench): one long context stored, then
+restored with every strategy over a pool link throttled to rho x the measured recompute rate, each checked against
+one fresh full prefill; a table and cacheflow's timeline.
 
     demo = restore_demo(RestoreDemoOptions(context_len=4096, rho=1.0), cost_for=ensure_cost)
     print_restore_demo(demo)                            # demo.folder holds demo.json and timeline.png
