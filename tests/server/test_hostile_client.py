@@ -5,10 +5,7 @@ The cases are tests/server/hostile.py's."""
 
 import asyncio
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -16,8 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow.net import free_port
-from tests.server.hostile import AUTH, KEY, MODEL, chat, completion, fixed, mutants
-from tests.server.test_uvicorn import wait_healthy
+from kvflow.stats import rss_bytes
+from tests.server.helpers import kvflow_serve
+from tests.server.hostile import AUTH, KEY, chat, completion, fixed, mutants
 
 MUTANTS = int(os.environ.get("KVFLOW_HOSTILE_MUTANTS", "300"))
 RSS_GROWTH_BOUND = 96 << 20      # over the whole corpus, after a warm-up that saw every code path once
@@ -28,31 +26,10 @@ def server(tmp_path_factory):
     home = tmp_path_factory.mktemp("hostile")
     cfg = home / "serve.yaml"
     cfg.write_text("engine:\n  kv_budget: 64M\n  block_size: 16\n")
-    port = free_port()
-    env = {**os.environ, "KVFLOW_TORCH_THREADS": "1"}
-    log = open(home / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvflow", "serve", "--model", MODEL, "--config", str(cfg),
-                             "--port", str(port), "--api-key", KEY, "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=home, start_new_session=True)
-    try:
-        wait_healthy(port)
+    port, log = free_port(), home / "server.log"
+    with kvflow_serve(cfg, port, log, "--api-key", KEY).start(timeout_s=90) as proc:
         yield f"http://127.0.0.1:{port}", proc
-        assert "Traceback" not in (home / "server.log").read_text(errors="replace")
-    finally:
-        log.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return kib << 10
+        assert "Traceback" not in log.read_text(errors="replace")     # before the stop: only what serving wrote
 
 
 def metrics(base: str) -> dict[str, float]:
@@ -107,12 +84,12 @@ def test_every_hostile_request_is_a_4xx_json_error_or_served_and_the_server_keep
     with httpx.Client(base_url=base, timeout=120) as c:
         for case in cases[:20] + [cases[-1]]:                # warm-up: every path once before RSS is measured
             send(c, case)
-        before = rss(proc.pid)
+        before = rss_bytes(proc.pid)
         for case in cases:
             check(case, send(c, case))
         r = c.post("/v1/completions", json=valid, headers=AUTH)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        after = rss(proc.pid)
+        after = rss_bytes(proc.pid)
     m = metrics(base)
     assert m["kvflow_engine_step_errors_total"] == 0 and m["kvflow_requests_failed_total"] == 0
     assert after - before < RSS_GROWTH_BOUND, (before >> 20, after >> 20)

@@ -52,7 +52,7 @@ class BearerAuth:
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, given = header.partition(b" ")
             if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self.key):
-                self.metrics.responses.labels(scope["path"] if scope["path"] in ROUTES else "other", "401").inc()
+                self.metrics.responses.labels(_route(scope["path"]), "401").inc()
                 err = APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
                 await err.response()(scope, receive, send)
                 return
@@ -83,19 +83,19 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
-        metrics.responses.labels(_route(request), str(err.status)).inc()
+        metrics.responses.labels(_route(request.url.path), str(err.status)).inc()
         return err.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
         """Unknown route (404), wrong method (405): the same JSON error shape as every other answer."""
-        metrics.responses.labels("other", str(err.status_code)).inc()
+        metrics.responses.labels(_route(request.url.path), str(err.status_code)).inc()
         return APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}").response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, err: Exception):
         log.exception("unexpected error on %s", request.url.path)
-        metrics.responses.labels(_route(request), "500").inc()
+        metrics.responses.labels(_route(request.url.path), "500").inc()
         return APIError(500, f"internal error: {type(err).__name__}", "server_error").response()
 
     if api_key:
@@ -241,7 +241,7 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
         total = {k: sum(u[k] for u in parts) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
         total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
                                                                for u in parts)}
-        metrics.responses.labels(_route(request), "200").inc()
+        metrics.responses.labels(_route(request.url.path), "200").inc()
         return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
                 "choices": choices, "usage": total}
 
@@ -258,7 +258,7 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
         if req.stream:
             return _sse(_stream_chat(events(handle), rid, created, model_name, req.include_usage, usage))
         [(text, tokens, last)] = await collect_all(request, [handle])
-        metrics.responses.labels(_route(request), "200").inc()
+        metrics.responses.labels(_route(request.url.path), "200").inc()
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "token_ids": tokens,
                              "logprobs": None, "finish_reason": last.finish_reason}],
@@ -270,10 +270,10 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
 ROUTES = ("/health", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions")
 
 
-def _route(request: Request) -> str:
+def _route(path: str) -> str:
     """The metrics label of a request's path: a served route, else "other" (any path a client makes up must not
     become a label of its own)."""
-    return request.url.path if request.url.path in ROUTES else "other"
+    return path if path in ROUTES else "other"
 
 
 def _prompts(prompt, tokenizer) -> list[list[int]]:

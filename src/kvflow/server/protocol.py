@@ -105,9 +105,8 @@ class ChatRequest(_Base):
 
 
 def parse_body(raw: bytes, limits: ServerLimits) -> dict:
-    """The request body as a JSON object within ``limits``; APIError otherwise."""
-    if len(raw) > limits.max_body_bytes:
-        raise too_large(limits)
+    """The request body (already held within ``max_body_bytes``: app.read_body) as a JSON object within ``limits``;
+    APIError otherwise."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
