@@ -25,8 +25,8 @@ def request_ids(smollm2, smollm2_tokenizer):
 
 
 def test_every_strategy_on_real_weights_equals_full_prefill(smollm2, request_ids):
-    """4 chunks of 64 and a 44-token tail, the link at half the rate recompute makes KV: cake and token meet between
-    chunks, layer loads the upper layers of every chunk, staircase and cacheflow also split one chunk by layers."""
+    """4 chunks of 64 and a 44-token tail, the link at half the rate recompute makes KV: cake, token and cacheflow
+    meet between chunks, layer loads the upper layers of every chunk, staircase also splits chunks by layers."""
     context, query, (ref_kv, ref_logits) = request_ids
     chunk, rho = 64, 0.5
     pool = KVPool.memory("64M", chunk_tokens=chunk, devices=2)
