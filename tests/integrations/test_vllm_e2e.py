@@ -11,6 +11,9 @@ chunked prefill (512-token steps) and vLLM's local prefix cache off, so every hi
 * negative controls: a record corrupted on disk is a miss — recomputed, output unchanged, stored again; a
   deliberately wrong block layout stores wrong records and changes the output.
 
+And once on real weights (``smollm2-135m``, kvflow's converted checkpoint, vLLM with its tokenizer and chat template):
+a chat prompt of human text answers the same from a pool hit as cold, and as transformers' generate.
+
 Servers run in their own process group and are always killed. ``make test`` builds ``.venv-vllm`` and runs this
 with ``KVFLOW_TEST_VLLM=1`` (1.5 minutes on a quiet 2-vCPU machine, 20 on a loaded one); a bare ``pytest`` skips
 it unless that is set, and without ``.venv-vllm`` (``make vllm-kvflow``) it skips and says so.
