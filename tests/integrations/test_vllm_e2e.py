@@ -11,6 +11,9 @@ chunked prefill (512-token steps) and vLLM's local prefix cache off, so every hi
 * negative controls: a record corrupted on disk is a miss — recomputed, output unchanged, stored again; a
   deliberately wrong block layout stores wrong records and changes the output.
 
+And once on real weights (``smollm2-135m``, kvflow's converted checkpoint, vLLM with its tokenizer and chat template):
+a chat prompt of human text answers the same from a pool hit as cold, and as transformers' generate.
+
 Servers run in their own process group and are always killed. ``make test`` builds ``.venv-vllm`` and runs this
 with ``KVFLOW_TEST_VLLM=1`` (1.5 minutes on a quiet 2-vCPU machine, 20 on a loaded one); a bare ``pytest`` skips
 it unless that is set, and without ``.venv-vllm`` (``make vllm-kvflow``) it skips and says so.
@@ -205,4 +208,32 @@ def test_a_wrong_block_layout_stores_wrong_records_and_changes_the_output(model)
         pool.wait_stored(p)
         assert kv_error(pool, p) > 1e-2, "records read with the wrong layout must differ from the model's KV"
         assert server.complete(p, OUT) != cold, "a wrong layout must change the output (else the test cannot fail)"
+        pool.pool.close()
+
+
+def test_on_real_weights_a_chat_gives_the_same_greedy_tokens_with_and_without_a_pool_hit(smollm2, smollm2_tokenizer,
+                                                                                          tmp_path):
+    """SmolLM2-135M-Instruct as kvflow converts it (model/catalog.py: written by kvflow's transformers, read by
+    vLLM's older one), served by vLLM with the checkpoint's own tokenizer, chat template and tied LM head: a chat
+    prompt of human text is templated as kvflow templates it, answers as transformers' generate does, and answers
+    the same from a pool hit, whose records hold the KV kvflow computes."""
+    from kvflow.model import catalog
+    from tests.engine.helpers import hf_greedy
+    from tests.texts import DECLARATION, GETTYSBURG, KITCHEN
+
+    config = pool_yaml(tmp_path, "real")
+    profile = ConnectorProfile(kv_transfer=connector_config({"config": config}), max_model_len=2048)
+    messages = [{"role": "user", "content": f"{DECLARATION}\n\n{GETTYSBURG}\n\n{KITCHEN}\n\nWhich of these three "
+                                            "texts is about cooking?"}]
+    with VLLMServer(PY, catalog.checkpoint_dir(smollm2.name), profile, tmp_path / "vllm-real.log") as server:
+        prompt, cold = server.chat(messages, OUT, cold=True)
+        assert prompt == smollm2_tokenizer.chat(messages)
+        reference = hf_greedy(smollm2, prompt, OUT)             # generate stops at EOS; the server ignores it
+        assert cold[:len(reference)] == reference
+        pool = Pool(config, smollm2)
+        pool.wait_stored(prompt)
+        hits0 = server.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+        assert server.chat(messages, OUT)[1] == cold, "a pool hit changed the output"
+        assert server.metrics()["vllm:external_prefix_cache_hits_total"] - hits0 >= len(prompt) // C * C
+        assert kv_error(pool, prompt) < 1e-4
         pool.pool.close()

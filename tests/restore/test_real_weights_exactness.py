@@ -1,0 +1,45 @@
+"""On a real, trained model (SmolLM2-135M-Instruct: 30 layers, tied embeddings, rope theta 1e5) and human text,
+every restoration strategy yields the KV and next-token logits of one fresh full prefill (fp32 <= 1e-4, same
+argmax) — with plans that really split the context between recompute and load."""
+
+import pytest
+import torch
+
+from kvflow import KVPool, Restorer
+from kvflow.planner import STRATEGIES
+from tests.conftest import max_abs_diff_kv
+from tests.engine.helpers import synthetic_cost
+from tests.texts import DECLARATION
+
+TOL = 1e-4
+WHOLE = ("recompute", "load", "load-layerwise")      # the baselines that recompute or load everything by definition
+
+
+@pytest.fixture(scope="module")
+def request_ids(smollm2, smollm2_tokenizer):
+    """A 300-token context of real text and its question (ids from the model's own tokenizer), and the reference:
+    one transformers forward over both."""
+    context = torch.tensor(smollm2_tokenizer.encode(DECLARATION)[:300])
+    query = torch.tensor(smollm2_tokenizer.encode("\nWhich three rights does this passage name?"))
+    return context, query, smollm2.reference_prefill(torch.cat([context, query]))
+
+
+def test_every_strategy_on_real_weights_equals_full_prefill(smollm2, request_ids):
+    """4 chunks of 64 and a 44-token tail, the link at half the rate recompute makes KV: cake, token and cacheflow
+    meet between chunks, layer loads the upper layers of every chunk, staircase also splits chunks by layers."""
+    context, query, (ref_kv, ref_logits) = request_ids
+    chunk, rho = 64, 0.5
+    pool = KVPool.memory("64M", chunk_tokens=chunk, devices=2)
+    restorer = Restorer(smollm2, pool, cost=synthetic_cost(smollm2), calibrate=False)   # plans fixed by the test
+    restorer.store(context)
+    pool.set_throttle(rho * restorer.cost.short_context_rate(chunk))
+    L, n = smollm2.num_layers, context.numel() // chunk
+    for strategy in STRATEGIES:
+        out = restorer.restore(context, query, strategy)
+        kv_diff, logit_diff = max_abs_diff_kv(out.kv, ref_kv), (out.logits - ref_logits).abs().max().item()
+        assert kv_diff <= TOL and logit_diff <= TOL, (strategy, kv_diff, logit_diff)
+        assert out.logits.argmax() == ref_logits.argmax(), strategy
+        assert out.plan.num_chunks == n and not out.fallback_chunks
+        if strategy not in WHOLE:
+            assert 0 < sum(out.plan.split) < L * n, (strategy, out.plan.split)
+            assert {"compute", "load"} <= {e.kind for e in out.timeline}, (strategy, out.plan.split)
