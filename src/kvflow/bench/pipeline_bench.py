@@ -36,6 +36,7 @@ from kvflow.model import load_model
 from kvflow.planner import PlannerConfig, Request
 from kvflow.bench.bound import CellProbe, recompute_rate
 from kvflow.planner.pipeline import PipelinePlanner, even_split, parse_split, stage_balance
+from kvflow.report import BenchRun
 
 Progress = Callable[[str], None]
 
@@ -266,6 +267,14 @@ def measured_bound(probe: CellProbe, split: list[tuple[int, int]], bandwidths: l
         stage = stage_balance(cells, l1 - l0, cell_bytes / bw, act_s, len(cells), per_layer * (l1 - l0), q_layer)
         worst = max(worst, stage + per_layer * (L - l1))
     return worst + head
+
+
+def bench(cfg: PipelineBenchConfig, folder: Path, progress: Progress = lambda s: None) -> BenchRun:
+    """``run(cfg)`` and its timelines in ``folder``: ``kvflow bench pipeline``."""
+    results = run(cfg, progress)
+    pngs = figure(results, folder)
+    return BenchRun(results, folder, tables(results),
+                    f"results: {folder / 'results.json'}; timelines: {', '.join(str(p) for p in pngs)}")
 
 
 def tables(results: dict) -> list[tuple[str, list[dict]]]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+
 from kvflow.cli.limits import MAX_RHO, seed_option
 from kvflow.cli.main import app, bench_app
 from kvflow.demo.job import console, err_console, status
@@ -114,12 +115,13 @@ def bench_restore(
 
     if quick:
         model, context_len, rhos, lengths, repeats, latency = "qwen2.5-0.5b@layers=2", 2048, "1,8", "512,2048", 1, ""
-    o = RestoreRunOptions(model, context_len, comma_list(rhos, float, "--rho", MAX_RHO),
-                          comma_list(lengths, int, "--lengths"), query_len, repeats,
-                          comma_list(latency, float, "--latency", MAX_LATENCY_S) if latency.strip() else [], disk,
-                          comma_list(gbps, float, "--gbps", 1e5) if gbps else [],
-                          comma_list(batch, int, "--batch", 256) if batch else [], out)
-    run = restore_run(o, cost_for=ensure_cost)
+    rho_list = comma_list(rhos, float, "--rho", MAX_RHO)
+    gbps_list = comma_list(gbps, float, "--gbps", 1e5) if gbps else []
+    latencies = comma_list(latency, float, "--latency", MAX_LATENCY_S) if latency.strip() else []
+    run = restore_run(RestoreRunOptions(model, context_len, rho_list, comma_list(lengths, int, "--lengths"), query_len,
+                                        repeats, latencies, disk, gbps_list,
+                                        comma_list(batch, int, "--batch", 256) if batch else [], out),
+                      cost_for=ensure_cost)
     if as_json:
         print(json.dumps(run.to_json(), indent=2))
         return
