@@ -5,6 +5,7 @@ JSON, a PNG.
     print_table("aggregate read bandwidth", rows)       # rows: list of dicts, one column per key
     write_json(out / "results.json", results)
     save_figure(out / "pool.png", draw, panels=2)       # draw(axes) fills a row of matplotlib axes (Agg backend)
+    BenchRun(results, out, tables, footer).report(as_json)  # a finished benchmark: results.json, tables or JSON
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -62,6 +64,22 @@ def report(results: dict, folder: Path, tables, as_json: bool, footer: str) -> N
     for title, rows in tables:
         print_table(title, rows)
     Console().print(footer)
+
+
+@dataclass(slots=True)
+class BenchRun:
+    """A finished benchmark: ``results`` (its results.json), the ``folder`` holding them and its figures, the
+    ``(title, rows)`` tables it prints and the ``footer`` line under them."""
+    results: dict
+    folder: Path
+    tables: list[tuple[str, list[dict]]]
+    footer: str
+
+    def to_json(self) -> dict:
+        return self.results
+
+    def report(self, as_json: bool) -> None:
+        report(self.results, self.folder, self.tables, as_json, self.footer)
 
 
 def save_figure(path: str | Path, draw: Callable[[list], None], panels: int = 1, size=(5.0, 3.6)) -> Path:

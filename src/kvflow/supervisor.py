@@ -15,11 +15,13 @@ all start processes, and none of them should import another's folder to do it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -213,3 +215,21 @@ def _installed(venv: Path, package: str) -> bool:
     return any((site / package / "__init__.py").is_file() or any(site.glob(f"{package}-*.dist-info"))
                or any(site.glob(f"__editable__*{package}*"))
                for site in (venv / "lib").glob("python3*/site-packages"))
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While the block runs on the main thread, SIGTERM unwinds like Ctrl-C, so what it started is still stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def interrupt(signum, frame):
+    """A signal handler that raises KeyboardInterrupt: ``finally`` blocks and ``with`` exits run."""
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.bench.peer import NOT_INSTALLED
+from kvflow.integrations.vllm_server import NOT_INSTALLED
 from kvflow.demo.chat import chat_ids
 from kvflow.cli.main import main
 from kvflow.engine.tokenizer import ByteTokenizer

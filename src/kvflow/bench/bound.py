@@ -164,9 +164,10 @@ def recompute_rate(runner: ModelRunner, chunk_tokens: int, repeats: int = 10, la
     return chunk_tokens * runner.kv_bytes_per_token() * n / runner.num_layers / min(times[1:])
 
 
-def odirect_read_rate(path: str, nbytes: int, threads: int = 4, block: int = 1 << 20) -> float:
-    """Bytes/s of raw O_DIRECT reads of the first ``nbytes`` of ``path`` (``threads`` reads in flight): the real
-    disk's rate for the bound, without the pool's checksums or copies."""
+def odirect_read_rate(path: str, nbytes: int, threads: int = 4, block: int = 1 << 20, offset: int = 0) -> float:
+    """Bytes/s of raw O_DIRECT reads of ``nbytes`` of ``path`` from ``offset`` (``threads`` reads in flight): a
+    device or the real disk measured by itself, without the pool's checksums or copies (the bound's link, a striped
+    read's "sum of each alone")."""
     nbytes = max(block, nbytes // block * block)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -176,7 +177,7 @@ def odirect_read_rate(path: str, nbytes: int, threads: int = 4, block: int = 1 <
 
     def read(k: int) -> None:
         buf = buffers[k % threads]
-        for off in range(k * block, nbytes, threads * block):
+        for off in range(offset + k * block, offset + nbytes, threads * block):
             os.preadv(fd, [buf], off)
 
     try:

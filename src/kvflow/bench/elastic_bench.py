@@ -6,7 +6,7 @@ ran). Measured:
 
     (a) TTFT of the long prompts vs the token budget (``max_num_batched_tokens``), every budget once per repeat, the
         order rotated each repeat (the machine's load drifts); median and min..max over repeats
-    (b) the activation reserve each budget needs (engine/reserve.py's measurement; its stand-in formula if absent)
+    (b) the activation reserve each budget needs (engine/reserve.py's measurement)
     (c) at ONE memory budget M = KV + reserve of the largest token budget, a decode-heavy mix under three configs:
         ``fixed``   the largest budget, its reserve held all the time
         ``elastic`` the same, the reserve lent as KV blocks while only decodes run (taken back for each prefill)
@@ -21,6 +21,9 @@ ran). Measured:
 
 Everything runs on the engine thread of this process; numbers on a shared machine are noisy, which is why (a) gives
 the spread, not just a median.
+
+    run = elastic_run("tiny", ElasticWorkload(budgets=(256, 4096)))     # run.folder holds elastic.json and .png
+    for title, rows in run.tables(): print_table(title, rows)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -179,6 +183,59 @@ def _blocks(tokens: int, bs: int) -> int:
     return -(-tokens // bs)
 
 
+@dataclass(slots=True)
+class ElasticRun:
+    """A finished run: ``results`` (``run``'s) as written to ``folder/elastic.json``."""
+    model: str
+    workload: ElasticWorkload
+    folder: Path
+    results: dict
+
+    def to_json(self) -> dict:
+        """What ``--json`` prints: the results with the number of runs in place of the runs."""
+        return {k: v for k, v in self.results.items() if k != "runs"} | {"runs": len(self.results["runs"])}
+
+    def tables(self) -> list[tuple[str, list[dict]]]:
+        res, w, tb = self.results, self.workload, self.results["takeback"]
+        return [
+            (f"(a, b) {self.model}: long-prompt ({w.long_len} tokens) TTFT vs token budget, {w.repeats} repeats",
+             [{"budget": r["budget"], "reserve MiB": r["reserve_MiB"], "TTFT p50 s": r["ttft_p50_s"],
+               "min s": r["ttft_min_s"], "max s": r["ttft_max_s"], "spread": r["spread"],
+               "vs best": res["ttft_gap_vs_best"][str(r["budget"])]} for r in res["ttft"]]),
+            (f"(c) one memory budget ({res['memory_budget_bytes'] / 2**20:.1f} MiB of KV + reserve)",
+             [{"config": r["config"], "budget": r["budget"], "KV blocks": r["kv_blocks"], "lent": r["lent_blocks"],
+               "max running": r["max_running"], "mean running": r["mean_running"], "preemptions": r["preemptions"],
+               "decode tok/s": r["decode_tok_s"], "long TTFT s": r["long_ttft_p50_s"]} for r in res["capacity"]]),
+            ("(d) take-back", [{"n": tb["n"], "P50 ms": tb["p50_ms"], "P99 ms": tb["p99_ms"], "max ms": tb["max_ms"],
+                                "blocks moved": tb["blocks_moved"], "preempted": tb["preempted"],
+                                "failures": tb["failures"]}]),
+            ("(e) peak resident memory above start vs budget (KV + reserve), every run",
+             [{"part": r["part"], "config": r.get("config", ""), "budget tok": r["budget"], "elastic": r["elastic"],
+               "peak MiB": r["peak_rss_bytes"] / 2**20, "budget MiB": r["budget_bytes"] / 2**20,
+               "within": r["within_budget"]} for r in res["runs"]])]
+
+    @property
+    def footer(self) -> str:
+        return f"reserve: {self.results['reserve_source']}; JSON + PNG in {self.folder}"
+
+
+def elastic_run(model: str, w: ElasticWorkload, out: Path | None = None,
+                progress: Progress = lambda s: None) -> ElasticRun:
+    """Build ``model`` and run ``w`` on it; writes elastic.json and elastic.png (default folder runs/elastic-TIME)."""
+    from kvflow.model import host_memory, load_model
+    from kvflow.report import out_dir, save_figure, write_json
+
+    w.validate()
+    host_memory.hold_to_live_set()    # as early as the bench knows its budget is judged (engine/reserve.py)
+    runner = load_model(model)
+    runner.check_context_len(max(w.long_len, w.decode_prompt + 4096) + 1)
+    folder = out_dir("elastic", out)
+    res = run(runner, w, progress=progress)
+    write_json(folder / "elastic.json", res)
+    save_figure(folder / "elastic.png", draw(res), panels=4, size=(4.6, 3.6))
+    return ElasticRun(model, w, folder, res)
+
+
 def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict:
     w.validate()
     held = hold_to_live_set()     # what every engine below does when it starts; before the reserves are measured here
@@ -191,11 +248,7 @@ def run(runner, w: ElasticWorkload, progress: Progress = lambda s: None) -> dict
     need = _blocks(w.long_len + 1, bs) + w.decoders * _blocks(w.decode_prompt + OPEN_DECODE, bs)
     reserves = {t: _reserve(runner, t, longest(need))
                 for t in sorted(set(w.budgets) | {w.small_budget})}
-    try:
-        import kvflow.engine.reserve  # noqa: F401
-        source = "measured (engine/reserve.py)"
-    except ModuleNotFoundError:
-        source = "stand-in formula (engine/elastic.py)"
+    source = "measured (engine/reserve.py)"
     progress(f"reserves ({source}): " + ", ".join(f"{t}: {r / 2**20:.1f} MiB" for t, r in reserves.items()))
 
     # (a) TTFT vs token budget; KV enough for everything (the budget under study is the token budget)

@@ -21,11 +21,10 @@ import subprocess
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvflow.pool.devices.base import aligned_empty
+from kvflow.supervisor import interrupt
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
 log = logging.getLogger("kvflow.bench")
@@ -85,7 +84,7 @@ class CappedLoops:
     def start(self) -> CappedLoops:
         """Set up (what ``with`` does); an OSError here leaves nothing behind."""
         if threading.current_thread() is threading.main_thread():
-            self._old_sigterm = signal.signal(signal.SIGTERM, _interrupt)   # SIGTERM tears down like Ctrl-C
+            self._old_sigterm = signal.signal(signal.SIGTERM, interrupt)   # SIGTERM tears down like Ctrl-C
         try:
             self._tmp = tempfile.mkdtemp(prefix="kvflow-loops-", dir=self.folder)
             self.cgroup = BLKIO / f"kvflow-bench-{os.getpid()}-{int(time.time())}"
@@ -179,30 +178,3 @@ class CappedLoops:
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
         return problems
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def read_alone(path: str, nbytes: int, workers: int = 4, block: int = 1 << 20, offset: int = 0) -> float:
-    """Bytes/s of ``nbytes`` read with O_DIRECT from ``path`` at ``offset`` in ``block``-sized reads, ``workers``
-    in flight — one device measured by itself, no kvflow code on the path."""
-    n = max(1, nbytes // block)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        local = threading.local()
-
-        def read(i: int) -> int:
-            buf = getattr(local, "buf", None)
-            if buf is None:
-                buf = local.buf = aligned_empty(block)
-            return os.preadv(fd, [buf.numpy()], offset + i * block)
-
-        with ThreadPoolExecutor(workers) as pool:
-            t0 = time.perf_counter()
-            moved = sum(pool.map(read, range(n)))
-            took = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-    return moved / max(took, 1e-9)

@@ -29,12 +29,14 @@ from typing import Callable
 import torch
 
 from kvflow.chunks.record import HEADER_SIZE
-from kvflow.cost import CostModel, cost_profile, saved_profile
+from kvflow.cost import CostModel, cost_profile
+from kvflow.cost.saved import noting
 from kvflow.errors import KVFlowError
 from kvflow.model import load_model
 from kvflow.planner import PlannerConfig, Request
 from kvflow.bench.bound import CellProbe, recompute_rate
 from kvflow.planner.pipeline import PipelinePlanner, even_split, parse_split, stage_balance
+from kvflow.report import BenchRun
 
 Progress = Callable[[str], None]
 
@@ -52,15 +54,6 @@ class PipelineBenchConfig:
     split: str = "auto"                 # auto (planner-balanced at rho = 1) | even | sizes, e.g. 9,7
     handoffs: list[str] = field(default_factory=lambda: ["stage", "step"])
     timeout_s: float = 900.0
-
-
-def cost_model(runner, threads: int, max_position: int, progress: Progress) -> CostModel:
-    """The model's cost profile measured with ``threads`` torch threads (what each stage has), saved once."""
-    cost = saved_profile(runner, max_position, threads)
-    if cost is None:
-        progress(f"profiling {runner.name} with {threads} thread(s) (once per machine) ...")
-        cost = cost_profile(runner, max_position, threads=threads)
-    return cost
 
 
 def compute_speed(cost: CostModel, report) -> float | None:
@@ -106,7 +99,8 @@ def run(cfg: PipelineBenchConfig, progress: Progress = lambda s: None) -> dict:
         parse_split(cfg.split, L)                 # a bad split is an error before anything is measured
     if max(cfg.stages) > L:
         raise KVFlowError(f"--stages {max(cfg.stages)}: the model has {L} layers")
-    cost = cost_model(runner, cfg.threads, cfg.context + cfg.query, progress)
+    # the cost profile measured with the torch threads each stage has
+    cost = cost_profile(runner, cfg.context + cfg.query, threads=cfg.threads, profiling=noting(progress))
     n = cfg.context // C
     req = Request(cfg.context, cfg.query, n)
     cell = C * cost.kv_bytes_per_token_layer + HEADER_SIZE
@@ -273,6 +267,14 @@ def measured_bound(probe: CellProbe, split: list[tuple[int, int]], bandwidths: l
         stage = stage_balance(cells, l1 - l0, cell_bytes / bw, act_s, len(cells), per_layer * (l1 - l0), q_layer)
         worst = max(worst, stage + per_layer * (L - l1))
     return worst + head
+
+
+def bench(cfg: PipelineBenchConfig, folder: Path, progress: Progress = lambda s: None) -> BenchRun:
+    """``run(cfg)`` and its timelines in ``folder``: ``kvflow bench pipeline``."""
+    results = run(cfg, progress)
+    pngs = figure(results, folder)
+    return BenchRun(results, folder, tables(results),
+                    f"results: {folder / 'results.json'}; timelines: {', '.join(str(p) for p in pngs)}")
 
 
 def tables(results: dict) -> list[tuple[str, list[dict]]]:

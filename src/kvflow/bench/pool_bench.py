@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -29,6 +30,7 @@ from kvflow.pool.devices import odirect_supported
 from kvflow.bench.pool_loop import LoopOptions, kernel_capped_loops, mixed
 from kvflow.chunks.keys import chunk_keys, layer_groups
 from kvflow.pool import KVPool
+from kvflow.report import BenchRun
 from kvflow.stats import drop_page_cache, median_of
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -204,6 +206,14 @@ def run(quick: bool = False, disk_dir: str | None = None, record_kib: int = 256,
     results["elapsed_s"] = time.perf_counter() - t0
     results["summary"] = summary(results)
     return results
+
+
+def bench(folder: Path, **kw) -> BenchRun:
+    """``run(**kw)`` and its figure in ``folder``: ``kvflow bench pool``."""
+    results = run(**kw)
+    figure(results, folder / "pool.png")
+    return BenchRun(results, folder, tables(results),
+                    f"results: {folder / 'results.json'}, figure: {folder / 'pool.png'}")
 
 
 def summary(results: dict) -> dict:

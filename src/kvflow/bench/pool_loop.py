@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from kvflow.bench import loopdev
+from kvflow.bench.bound import odirect_read_rate
 from kvflow.errors import ConfigError
 from kvflow.pool import KVPool
 from kvflow.pool.devices.base import SUPERBLOCK
@@ -64,18 +65,13 @@ def parse_options(only: str | None, caps: str, base_mib: float, data_mib: int | 
                                  repeats=3)
 
 
-def _timed_get(pool: KVPool, keys) -> float:
-    from kvflow.bench.pool_bench import timed_get
-    return timed_get(pool, keys)
-
-
 def _share(pool: KVPool, n: int) -> list[float]:
     return [d["records"] / n for d in pool.stats()["devices"]]
 
 
 def kernel_capped_loops(opts: LoopOptions, disk_dir: str, progress: Progress) -> dict:
     """Section 4; ``{"skipped": why}`` where the machine cannot make capped loop devices."""
-    from kvflow.bench.pool_bench import synthetic_context
+    from kvflow.bench.pool_bench import synthetic_context, timed_get
     why = loopdev.unavailable()
     if why is not None:
         return {"skipped": f"kernel-capped loop devices skipped: {why}"}
@@ -115,7 +111,7 @@ def kernel_capped_loops(opts: LoopOptions, disk_dir: str, progress: Progress) ->
                         out["probed_write_bw"] = [d["probed_write_bw"] for d in pool.stats()["devices"]]
                     pool.put_many(data)
                     pool.checkpoint()
-                    t_all = median_of(lambda: _timed_get(pool, keys), opts.repeats)
+                    t_all = median_of(lambda: timed_get(pool, keys), opts.repeats)
                     share = [0.0] * len(order)
                     for j, x in enumerate(_share(pool, len(keys))):
                         share[order[j]] = x                # by device (cap order), whatever the pool's order
@@ -128,7 +124,7 @@ def kernel_capped_loops(opts: LoopOptions, disk_dir: str, progress: Progress) ->
                             written.append(sum(e[3] for e in pool.entries() if e[1] == i))
                             progress(f"loops: device {i} alone through the pool")
                             alone.append(sum(data[k].numel() * 4 for k in mine)
-                                         / median_of(lambda: _timed_get(pool, mine), opts.repeats) if mine else 0.0)
+                                         / median_of(lambda: timed_get(pool, mine), opts.repeats) if mine else 0.0)
                         out["pool_alone_bw"] = alone
                     out["placements"][placement] = row
                 if placement == "bandwidth":
@@ -136,7 +132,7 @@ def kernel_capped_loops(opts: LoopOptions, disk_dir: str, progress: Progress) ->
                     for i, d in enumerate(devices):
                         n = max(16 * MiB, min(written[i], int(caps[i] * opts.alone_s))) // MiB * MiB
                         progress(f"loops: {d.path} alone, O_DIRECT ({n // MiB} MiB)")
-                        raw.append(statistics.median(loopdev.read_alone(d.path, n, opts.workers, offset=SUPERBLOCK)
+                        raw.append(statistics.median(odirect_read_rate(d.path, n, opts.workers, offset=SUPERBLOCK)
                                                      for _ in range(opts.repeats)))
                     out["raw_alone_bw"] = raw
         out["torn_down"] = True
@@ -167,7 +163,7 @@ def _dio(path: str) -> bool | None:
 def mixed(disk_dir: str, data_bytes: int, record_bytes: int, repeats: int, progress: Progress) -> dict:
     """Section 5: a pool of host memory + an extent file on the real disk, both probed by the organizer."""
     from kvflow.pool.devices import odirect_supported
-    from kvflow.bench.pool_bench import synthetic_context
+    from kvflow.bench.pool_bench import synthetic_context, timed_get
     _, keys, data = synthetic_context(data_bytes // record_bytes * 256, record_bytes, seed=5)
     moved = sum(t.numel() * 4 for t in data.values())
     cap = int(moved * 1.3) // MiB * MiB + 128 * MiB
@@ -183,20 +179,20 @@ def mixed(disk_dir: str, data_bytes: int, record_bytes: int, repeats: int, progr
             probed = [d["probed_read_bw"] for d in st]
             pool.put_many(data)
             pool.checkpoint()
-            t_all = median_of(lambda: _timed_get(pool, keys), repeats)
+            t_all = median_of(lambda: timed_get(pool, keys), repeats)
             share = _share(pool, len(keys))
             dev_of = {d: dev for d, dev, *_ in pool.entries()}
             alone = []
             for i, name in enumerate(("memory", "extent")):
                 mine = [k for k in keys if dev_of[k.digest] == i]
                 progress(f"mixed: {name} alone")
-                alone.append(sum(data[k].numel() * 4 for k in mine) / median_of(lambda: _timed_get(pool, mine), repeats)
+                alone.append(sum(data[k].numel() * 4 for k in mine) / median_of(lambda: timed_get(pool, mine), repeats)
                              if mine else 0.0)
             extent_bytes = sum(e[3] for e in pool.entries() if e[1] == 1)
         raw_disk = None
         if direct and extent_bytes >= 16 * MiB:
             progress("mixed: extent file alone, O_DIRECT")
-            raw_disk = statistics.median(loopdev.read_alone(path, extent_bytes // MiB * MiB, 4, offset=SUPERBLOCK)
+            raw_disk = statistics.median(odirect_read_rate(path, extent_bytes // MiB * MiB, 4, offset=SUPERBLOCK)
                                          for _ in range(repeats))
     out = {"bytes": moved, "records": len(keys), "o_direct": direct, "disk_dir": disk_dir,
            "probed_read_bw": probed, "share": share, "pool_alone_bw": alone, "sum_pool_alone": sum(alone),

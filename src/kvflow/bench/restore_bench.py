@@ -203,11 +203,6 @@ def measure(bench: Bench, pool_name: str, n: int, strategies, repeats: int, prog
     return rows
 
 
-def rho_bandwidth(bench: Bench, rho: float) -> float:
-    """rho x the rate recompute produces KV bytes at short context, as measured at the start of this run."""
-    return rho * bench.recompute_rate
-
-
 def speedups(rows: dict[str, dict]) -> dict:
     """cacheflow against each other strategy, and how far this point can resolve a difference: ``repeat_spread`` is
     the median, over strategies, of max / min of one strategy's repeats (the same plan run again); when cacheflow
@@ -438,4 +433,4 @@ def jsonable(data):
 
 __all__ = ["BASELINES", "STRATEGIES", "Bench", "make_bench", "measure", "sweep_rho", "sweep_length", "crossover",
            "speedups", "measure_batch", "batch_lengths", "plot_rho", "plot_lengths", "plot_batch", "jsonable",
-           "public", "rho_bandwidth"]
+           "public"]

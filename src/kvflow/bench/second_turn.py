@@ -17,6 +17,9 @@ Reported: each strategy's median TTFT over the repeats, cacheflow / recompute (o
 history tokens restored from the pool vs resident, the tokens the restoration's plan loads vs recomputes (the engine's
 ``PoolTier`` counters: planned — cacheflow's run-time meet may recompute more), and whether turns 1 and 2's tokens
 equal ``generate`` (checked in every run against one reference).
+
+    turn = second_turn(SecondTurnOptions(history=4096, rho=1.0), cost_for=ensure_cost)
+    print_table(turn.title, turn.rows); turn.notes    # turn.folder holds second_turn.json and second_turn.png
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import shutil
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +41,95 @@ from kvflow.engine import EngineConfig, SamplingParams
 
 STRATEGIES = ("recompute", "cacheflow")
 Progress = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class SecondTurnOptions:
+    """What ``kvflow bench second-turn`` takes, parsed (the option help in cli/restore_cmds.py says what each means);
+    None: the serve default (server/build.py)."""
+    model: str | None = None
+    history: int = 4096
+    user_tokens: int = 64
+    answer_tokens: int = 16
+    rho: float = 1.0
+    repeats: int = 3
+    chunk_tokens: int | None = None
+    pool_dir: Path | None = None
+    seed: int = 0
+    out: Path | None = None
+
+
+@dataclass(slots=True)
+class SecondTurn:
+    """A finished run: ``results`` (run_second_turn's) as written to ``folder/second_turn.json``."""
+    model: str
+    folder: Path
+    results: dict
+
+    def to_json(self) -> dict:
+        return self.results
+
+    @property
+    def title(self) -> str:
+        res = self.results
+        return (f"{self.model}: second turn ({res['turn2_prompt_tokens']:,} prompt tokens) after "
+                f"{res['evicted_history_tokens']:,} tokens of history were evicted; pool at rho={res['rho']:g} "
+                f"(recompute {res['recompute_rate_bytes_per_s'] / 2**20:.1f} MiB/s of KV, link "
+                f"{res['link_bytes_per_s'] / 2**20:.1f} MiB/s)")
+
+    @property
+    def rows(self) -> list[dict]:
+        return [{"strategy": s, "TTFT ms (median)": r["ttft_s"] * 1e3,
+                 "each repeat ms": ", ".join(f"{t * 1e3:.0f}" for t in r["ttft_runs"]),
+                 "from pool": r["pool_hit_tokens"], "resident": r["resident_hit_tokens"],
+                 "planned loaded / recomputed": f"{r['loaded_tokens']:.0f} / {r['recomputed_tokens']:.0f}",
+                 "exact": r["exact"]}
+                for s, r in self.results["rows"].items()]
+
+    @property
+    def notes(self) -> list[str]:
+        """The lines under the table (rich markup)."""
+        res, lines = self.results, []
+        if "cacheflow_vs_recompute" in res:
+            each = ", ".join(f"{x:.2f}" for x in res["cacheflow_vs_recompute_each_repeat"])
+            lines.append(f"cacheflow / recompute TTFT: [bold]{res['cacheflow_vs_recompute']:.2f}x[/] (medians; each "
+                         f"repeat {each})")
+        return lines + [f"JSON + PNG in {self.folder}"]
+
+
+def second_turn(o: SecondTurnOptions, cost_for: Callable, progress: Progress = lambda s: None) -> SecondTurn:
+    """Run ``o``; ``cost_for(runner, max_position)`` gives the cost model. Writes second_turn.json and .png."""
+    from kvflow.model import load_model
+    from kvflow.report import out_dir, save_figure, write_json
+    from kvflow.server.build import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL
+
+    model = o.model or DEFAULT_MODEL
+    progress(f"building {model}")
+    runner = load_model(model)
+    runner.check_context_len(o.history + 4 * o.user_tokens + o.answer_tokens + 64)
+    cost = cost_for(runner, max(8192, o.history * 2))
+    folder = out_dir("second-turn", o.out)
+    res = run_second_turn(runner, cost, history=o.history, user_tokens=o.user_tokens, answer_tokens=o.answer_tokens,
+                          rho=o.rho, repeats=o.repeats, chunk_tokens=o.chunk_tokens or DEFAULT_CHUNK_TOKENS,
+                          pool_dir=str(o.pool_dir) if o.pool_dir else None, seed=o.seed, progress=progress)
+    write_json(folder / "second_turn.json", res)
+    save_figure(folder / "second_turn.png", _draw_turns(res))
+    return SecondTurn(model, folder, res)
+
+
+def _draw_turns(res: dict):
+    def draw(axes):
+        ax = axes[0]
+        names = list(res["rows"])
+        for i, name in enumerate(names):
+            runs = res["rows"][name]["ttft_runs"]
+            ax.scatter([i] * len(runs), [t * 1e3 for t in runs], alpha=0.6)
+            ax.bar(i, res["rows"][name]["ttft_s"] * 1e3, alpha=0.3)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(f"second turn, {res['evicted_history_tokens']:,} evicted tokens, rho={res['rho']:g}")
+        ax.grid(alpha=0.3, axis="y")
+    return draw
 
 
 def turn_prompts(tokenizer, history: int, user_tokens: int, seed: int) -> tuple[list[dict], list[dict]]:

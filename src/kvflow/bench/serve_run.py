@@ -1,6 +1,6 @@
 """``kvflow bench serve`` as a function: the chat / docqa / agent load (demo/chat.py) against one server at ``url``, or
 against a local kvflow server (a process of its own) per configuration, rounds alternated, with an optional vLLM peer
-(bench/peer.py) serving the same model a round after each round of the kvflow configurations.
+(integrations/vllm_server.py) serving the same model a round after each round of the kvflow configurations.
 
     opts = ServeRunOptions(ChatWorkload.of("chat"), configs="resident,cacheflow")
     run = serve_run(opts, cost_for=ensure_cost)         # writes ttft_cdf.png into run.folder
@@ -85,7 +85,7 @@ def serve_run(o: ServeRunOptions, cost_for: Callable, note: Callable[[str], None
     w = o.workload
     token_ids = o.token_ids
     if o.peer is not None:
-        from kvflow.bench.peer import PEERS
+        from kvflow.integrations.vllm_server import PEERS
         if o.peer not in PEERS:
             raise KVFlowError(f"unknown --peer {o.peer!r}: use {', '.join(PEERS)}")
         if o.url is not None:
@@ -135,7 +135,7 @@ def _run_local(o: ServeRunOptions, token_ids: bool, folder: Path, results: dict,
         raise KVFlowError("--repeats must be >= 1")
     venv = None
     if peer is not None:
-        from kvflow.bench.peer import NOT_INSTALLED
+        from kvflow.integrations.vllm_server import NOT_INSTALLED
         from kvflow.integrations.vllm_server import vllm_venv
         venv = vllm_venv(o.peer_venv)
         if venv is None:
@@ -163,7 +163,7 @@ def _run_local(o: ServeRunOptions, token_ids: bool, folder: Path, results: dict,
     with contextlib.ExitStack() as stack:         # the peer, if any, is stopped whatever happens
         vllm = None
         if venv is not None:
-            from kvflow.bench.peer import running_peer
+            from kvflow.integrations.vllm_server import running_peer
             note(f"starting the {peer} peer from {venv} (log: {folder / 'vllm.log'}) ...")
             vllm = in_fresh_thread(stack.enter_context,        # saving the checkpoint computes
                                    running_peer(peer, runner, o.model, kv_tokens, o.block_size, o.max_batched,

@@ -27,11 +27,12 @@ import tempfile
 import textwrap
 import time
 import uuid
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from kvflow.report import save_figure
+from kvflow.report import BenchRun, save_figure
 from kvflow.pool.devices import odirect_supported
 from kvflow.bench.pool_bench import synthetic_context, timed_get
 from kvflow.pool import KVPool
@@ -210,6 +211,14 @@ def run(*, url: str | None, cluster: bool, quick: bool, disk_dir: str | None, mo
     finally:
         if procs is not None:
             procs.stop()
+
+
+def bench(folder: Path, **kw) -> BenchRun:
+    """``run(**kw)`` and its figure in ``folder``: ``kvflow bench shared``."""
+    results = run(**kw)
+    figure(results, folder / "shared.png")
+    return BenchRun(results, folder, tables(results),
+                    f"results: {folder / 'results.json'}, figure: {folder / 'shared.png'}")
 
 
 def tables(results: dict) -> list[tuple[str, list[dict]]]:

