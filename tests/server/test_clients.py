@@ -52,7 +52,8 @@ def test_null_for_an_optional_field_means_its_default(tiny):
 @pytest.mark.parametrize("field,value", [("repetition_penalty", 1.2), ("presence_penalty", 0.5),
                                          ("frequency_penalty", -1.0), ("min_p", 0.1), ("min_tokens", 3),
                                          ("logit_bias", {"17": 5.0}), ("best_of", 2), ("suffix", "end"),
-                                         ("echo", True), ("logprobs", 1), ("stream_options", {"include_usage": True}),
+                                         ("echo", True), ("logprobs", 1),
+                                         ("stream_options", {"continuous_usage_stats": True}),
                                          ("repetition_penalty", True), ("min_tokens", "3")])
 def test_a_sampling_field_the_engine_does_not_implement_is_a_400_naming_it(tiny, field, value):
     app, _ = make_app(tiny)

@@ -89,11 +89,8 @@ class _Base(_Strict):
                 return name, f"{name} is not supported (only {value:g}, its neutral value, is accepted)"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported (only an empty one is accepted)"
-        options = dict(self.stream_options or {})
-        if options.get("continuous_usage_stats"):
+        if (self.stream_options or {}).get("continuous_usage_stats"):
             return "stream_options", "stream_options.continuous_usage_stats is not supported"
-        if options and not self.stream:
-            return "stream_options", "stream_options is only allowed with stream: true"
         return None
 
     def sampling(self, default_max: int) -> SamplingParams:
