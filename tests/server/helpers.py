@@ -17,10 +17,10 @@ MODEL = "tiny"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def kvflow_serve(cfg_path: Path, port: int, log_path: Path, *options: str) -> Supervised:
-    """`kvflow serve --model tiny --config CFG [OPTIONS]` on ``port``, not started: a Supervised process, ready on
+def kvflow_serve(cfg_path: Path, port: int, log_path: Path, *options: str, model: str = MODEL) -> Supervised:
+    """`kvflow serve --model MODEL --config CFG [OPTIONS]` on ``port``, not started: a Supervised process, ready on
     /health."""
-    return Supervised([sys.executable, "-m", "kvflow", "serve", "--model", MODEL, "--config", str(cfg_path),
+    return Supervised([sys.executable, "-m", "kvflow", "serve", "--model", model, "--config", str(cfg_path),
                        "--port", str(port), "--log-level", "warning", *options], log_path=log_path, cwd=ROOT,
                       env={**os.environ, "KVFLOW_TORCH_THREADS": "1"}, name="kvflow serve", poll_s=0.1,
                       ready=http_ready(f"http://127.0.0.1:{port}/health", timeout_s=1))

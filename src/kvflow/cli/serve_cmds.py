@@ -26,6 +26,9 @@ def _check_listen(host: str, port: int) -> None:
 @app.command()
 def serve(model: str = typer.Option("tiny", "--model", help="preset name or local transformers checkpoint directory"),
           config: Optional[Path] = typer.Option(None, "--config", help="YAML/TOML with engine: and pool: sections"),
+          served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                          help="the model name clients send and /v1/models lists "
+                                                               "(default: --model as given)"),
           host: str = typer.Option("127.0.0.1", "--host"),
           port: int = typer.Option(8000, "--port"),
           api_key: Optional[str] = typer.Option(None, "--api-key", envvar="KVFLOW_API_KEY",
@@ -45,7 +48,7 @@ def serve(model: str = typer.Option("tiny", "--model", help="preset name or loca
     _check_listen(host, port)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run(model, str(config) if config else None, host=host, port=port, api_key=api_key, seed=seed,
-        log_level=log_level, elastic_reserve=elastic_reserve)
+        log_level=log_level, elastic_reserve=elastic_reserve, served_model_name=served_model_name)
 
 
 @bench_app.command("decode")

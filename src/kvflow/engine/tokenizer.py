@@ -26,7 +26,7 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
         self.eos_token_ids: list[int] = []
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -55,8 +55,9 @@ class HFTokenizer:
         eos = tok.eos_token_id
         self.eos_token_ids = [] if eos is None else [eos]
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=True))
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """``special``: with the checkpoint's special tokens (a BOS, for some) around the text."""
+        return list(self.tok.encode(text, add_special_tokens=special))
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

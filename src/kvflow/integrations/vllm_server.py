@@ -280,17 +280,29 @@ class VLLMServer:
 
 
 @contextlib.contextmanager
+def text_checkpoint(model: str) -> Path | None:
+    """The checkpoint directory of ``model`` (a real model's name or a directory) when it has its own tokenizer: both
+    servers then take the workload as text; None for a random-weight preset."""
+    from kvflow.model import catalog
+
+    path = catalog.resolve(model) if catalog.is_real(model) else Path(model).expanduser()
+    return path if path.is_dir() and has_tokenizer(path) else None
+
+
 def running_peer(name: str, runner, served_name: str, kv_tokens: int, block_size: int, max_num_batched_tokens: int,
-                 folder: Path, venv: Path, seed: int = 0, timeout_s: float = 600.0):
-    """The peer serving ``runner``'s model for the block: the model saved as a transformers checkpoint in a
-    temporary folder (random-weight presets have no tokenizer: the peer then takes token-id prompts), the server
-    started and warmed up; always stopped (SIGTERM too) and the checkpoint removed."""
+                 folder: Path, venv: Path, seed: int = 0, timeout_s: float = 600.0, checkpoint: Path | None = None):
+    """The peer serving ``runner``'s model for the block: ``checkpoint`` as it is (with its tokenizer: text prompts),
+    or else the model saved as a transformers checkpoint in a temporary folder (random-weight presets have no
+    tokenizer: the peer then takes token-id prompts); the server started and warmed up; always stopped (SIGTERM too)
+    and any saved checkpoint removed."""
     assert name in PEERS
     with tempfile.TemporaryDirectory(prefix="kvflow-peer-") as tmp:
-        runner.hf_model.save_pretrained(Path(tmp) / "checkpoint")
+        if checkpoint is None:
+            checkpoint = Path(tmp) / "checkpoint"
+            runner.hf_model.save_pretrained(checkpoint)
         profile = PeerProfile(served_name, kv_tokens, runner.kv_bytes_per_token(), block_size,
                               max_num_batched_tokens, seed=seed, startup_s=timeout_s)
-        peer = VLLMServer(venv, Path(tmp) / "checkpoint", profile, folder / "vllm.log", name="the vLLM peer")
+        peer = VLLMServer(venv, checkpoint, profile, folder / "vllm.log", name="the vLLM peer")
         with sigterm_as_interrupt(), peer:
             peer.warm_up()
             yield peer

@@ -1,10 +1,15 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an EngineLoop.
 
     GET  /health                 liveness (no API key)
-    GET  /v1/models              the one served model
+    GET  /v1/models              the one served model (``--served-model-name``, default the ``--model`` given)
     GET  /metrics                Prometheus text (TTFT / inter-token histograms, queue, blocks, hits, pool)
     POST /v1/completions         prompt as text or token ids (one or several), streaming (SSE) or not
     POST /v1/chat/completions    messages through the checkpoint's chat template or the byte-level fallback
+    POST /tokenize, /detokenize  text <-> token ids with the served tokenizer (vLLM's extension; its benchmark
+                                 client aligns its prompts with them)
+
+Streams follow vLLM's: a chat stream's first chunk (role "assistant") is sent with the first token, so a client's
+time to first token is the server's; ``stream_options.include_usage`` adds a last chunk with ``usage``.
 
 Every failure is an OpenAI-style JSON error ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
 request (malformed JSON, bad field, bad sampling value, prompt longer than the context, a limit of ``server:``
@@ -32,7 +37,8 @@ from kvflow.errors import KVFlowError
 from kvflow.server.limits import ServerLimits
 from kvflow.server.loop import EngineLoop, ServerBusy
 from kvflow.server.metrics import ServerMetrics
-from kvflow.server.protocol import APIError, ChatRequest, CompletionRequest, parse_body, too_large, validate
+from kvflow.server.protocol import (APIError, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                    parse_body, too_large, validate)
 
 log = logging.getLogger("kvflow.server")
 DEFAULT_MAX_TOKENS = 16
@@ -114,12 +120,15 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
             chunks.append(chunk)
         return b"".join(chunks)
 
+    def served(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"model {name!r} does not exist (this server serves {model_name!r})",
+                           param="model", code="model_not_found")
+
     async def parse(request: Request, cls):
         body = parse_body(await read_body(request), limits)
         req = validate(cls, body, limits)
-        if req.model != model_name:
-            raise APIError(404, f"model {req.model!r} does not exist (this server serves {model_name!r})",
-                           param="model", code="model_not_found")
+        served(req.model)
         if req.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
         return req
@@ -222,8 +231,6 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
-        if req.echo or req.logprobs:
-            raise APIError(400, "echo and logprobs are not supported", param="echo" if req.echo else "logprobs")
         prompts = await tokenize(_prompts, req.prompt, tokenizer)
         params = sampling(req, None)
         for ids in prompts:
@@ -248,8 +255,6 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req = await parse(request, ChatRequest)
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
         ids = await tokenize(tokenizer.chat, [{"role": m.role, "content": m.text()} for m in req.messages])
         params = sampling(req, req.max_completion_tokens)
         check(ids, params)
@@ -264,10 +269,34 @@ def build_app(engine: LLMEngine, model_name: str, tokenizer, *, api_key: str | N
                              "logprobs": None, "finish_reason": last.finish_reason}],
                 "usage": usage(last)}
 
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        req = validate(TokenizeRequest, parse_body(await read_body(request), limits), limits)
+        served(req.model)
+        if req.messages is not None:
+            ids = await tokenize(tokenizer.chat, [{"role": m.role, "content": m.text()} for m in req.messages])
+        else:
+            ids = await tokenize(tokenizer.encode, req.prompt, req.add_special_tokens)
+        metrics.responses.labels(_route(request.url.path), "200").inc()
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        req = validate(DetokenizeRequest, parse_body(await read_body(request), limits), limits)
+        served(req.model)
+        vocab = engine.runner.config.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        text = await tokenize(tokenizer.decode, req.tokens)
+        metrics.responses.labels(_route(request.url.path), "200").inc()
+        return {"prompt": text}
+
     return app
 
 
-ROUTES = ("/health", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions")
+ROUTES = ("/health", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions", "/tokenize",
+          "/detokenize")
 
 
 def _route(path: str) -> str:
@@ -312,11 +341,12 @@ async def _stream_completion(outputs, rid, created, model, include_usage, usage)
 
 async def _stream_chat(outputs, rid, created, model, include_usage, usage):
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    yield _data({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}]})
     last = None
     try:
         async for out in outputs:
+            if last is None:            # the role chunk goes with the first token, as vLLM's does
+                yield _data({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]})
             last = out
             yield _data({**head, "choices": [{"index": 0, "delta": {"content": out.text_delta},
                                               "token_ids": out.new_token_ids, "logprobs": None,

@@ -66,21 +66,24 @@ def build_engine(model: str, config: str | dict | None = None, *, seed: int = 0,
 
 
 def serve(model: str = DEFAULT_MODEL, config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, seed: int = 0, log_level: str = "info", elastic_reserve: bool = False) -> None:
-    """Serve until SIGINT / SIGTERM; without ``config`` on the embedded defaults (pool under ./.kvflow/)."""
+          api_key: str | None = None, seed: int = 0, log_level: str = "info", elastic_reserve: bool = False,
+          served_model_name: str | None = None) -> None:
+    """Serve until SIGINT / SIGTERM; without ``config`` on the embedded defaults (pool under ./.kvflow/).
+    Clients name the model ``served_model_name`` (default: ``model`` as given)."""
     import uvicorn
 
     from kvflow.server.app import build_app
     from kvflow.threads import in_fresh_thread
 
     api_key = check_api_key(api_key if api_key is not None else os.environ.get("KVFLOW_API_KEY"))
+    name = check_served_name(model if served_model_name is None else served_model_name)
     limits = ServerLimits.load({"server": read_config(config).get("server") or {}})
     # built on a thread that ends here: the main thread (uvicorn's) keeps no OpenMP team beside the engine thread's
     engine, tokenizer = in_fresh_thread(build_engine, model, config or default_config(), seed=seed,
                                         elastic_reserve=elastic_reserve)
-    app = build_app(engine, model, tokenizer, api_key=api_key, limits=limits)
-    log.info("serving %s on http://%s:%d (%d KV blocks of %d tokens, pool %s, API key %s)", model, host, port,
-             engine.num_blocks, engine.config.block_size, "on" if engine.pool else "off",
+    app = build_app(engine, name, tokenizer, api_key=api_key, limits=limits)
+    log.info("serving %s as %r on http://%s:%d (%d KV blocks of %d tokens, pool %s, API key %s)", model, name, host,
+             port, engine.num_blocks, engine.config.block_size, "on" if engine.pool else "off",
              "required" if api_key else "off")
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
 
@@ -98,6 +101,15 @@ def read_config(config: str | dict | None) -> dict:
         if section is not None and not isinstance(section, dict):
             raise ConfigError(f"{where}: section {name!r} must be a mapping, got {type(section).__name__}")
     return data
+
+
+def check_served_name(name: str) -> str:
+    """The model name clients send (``--served-model-name``): not empty, no white space at either end, no control
+    characters (it goes into every answer and log line as given)."""
+    if not name.strip() or name != name.strip() or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ConfigError(f"--served-model-name {name!r}: give a non-empty name without control characters or white "
+                          "space at either end")
+    return name
 
 
 def check_api_key(key: str | None) -> str | None:

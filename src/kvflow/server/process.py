@@ -35,12 +35,15 @@ STOP_TIMEOUT_S = 120.0
 
 
 def engine_for(model: str, seed: int, **kwargs):
-    """``kvflow_engine`` over ``model`` loaded here (the child), its set-up on a thread that ends."""
+    """``kvflow_engine`` over ``model`` loaded here (the child) with its own tokenizer (a checkpoint's, else the
+    byte-level fallback), its set-up on a thread that ends."""
     from kvflow import load_model
+    from kvflow.engine.tokenizer import load_tokenizer
     from kvflow.threads import in_fresh_thread
 
     runner = in_fresh_thread(load_model, model, seed=seed)
-    return in_fresh_thread(kvflow_engine, runner, **kwargs)
+    tokenizer = load_tokenizer(model, runner.config.vocab_size)
+    return in_fresh_thread(kvflow_engine, runner, tokenizer=tokenizer, **kwargs)
 
 
 def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, name: str = "pool",
@@ -70,9 +73,9 @@ def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, 
 
 def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int, pool_bytes: int, chunk_tokens: int,
                   max_num_batched_tokens: int, cost=None, pool_dir: str | None = None, rho: float | None = None,
-                  recompute_rate: float | None = None, scheduling_policy: str | None = None):
+                  recompute_rate: float | None = None, scheduling_policy: str | None = None, tokenizer=None):
     """An engine over ``runner`` with a fresh pool (``strategy`` None: no pool tier; ``scheduling_policy`` None:
-    the engine's default)."""
+    the engine's default; ``tokenizer`` None: the byte-level one)."""
     from kvflow import Restorer
     from kvflow.engine import EngineConfig, LLMEngine
     from kvflow.engine.tokenizer import ByteTokenizer
@@ -85,7 +88,8 @@ def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int,
                        max_num_batched_tokens=max_num_batched_tokens,
                        **({} if scheduling_policy is None else {"scheduling_policy": scheduling_policy}))
     cfg.validate()
-    return LLMEngine(runner, cfg, restorer=restorer, tokenizer=ByteTokenizer(runner.config.vocab_size))
+    return LLMEngine(runner, cfg, restorer=restorer,
+                     tokenizer=tokenizer if tokenizer is not None else ByteTokenizer(runner.config.vocab_size))
 
 
 def hit_split(engine) -> dict:

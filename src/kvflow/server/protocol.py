@@ -1,6 +1,12 @@
 """OpenAI request bodies: from raw bytes to a typed request, or an ``APIError`` (a 4xx) — nothing in between raises
 anything else. Unknown fields are ignored, as OpenAI's servers do; extensions, as in vLLM: ``top_k``,
-``stop_token_ids``, ``ignore_eos``, token-id prompts.
+``stop_token_ids``, ``ignore_eos``, token-id prompts, ``POST /tokenize`` and ``/detokenize``.
+
+What real clients send is accepted (docs/ENGINE.md, "Clients"): ``null`` for an optional field means its default
+(the OpenAI spec makes them nullable); the sampling fields this engine does not implement are accepted at their
+neutral value (``repetition_penalty`` 1, ``presence_penalty`` / ``frequency_penalty`` / ``min_p`` / ``min_tokens``
+0, empty ``logit_bias``, no ``tools``, ``response_format`` text) and any other value is a 400 naming the field —
+never silently ignored.
 
 What a body must be (each rule is a 400 or 413 naming the field; docs/ENGINE.md, "Requests"):
 
@@ -45,6 +51,7 @@ class _Strict(BaseModel):
 
 
 class _Base(_Strict):
+    """The fields both routes share. ``None`` given for any of them means "not given" (``_nulls_are_defaults``)."""
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -57,6 +64,34 @@ class _Base(_Strict):
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    user: str | None = None
+    # accepted at their neutral value only (``unsupported``)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, body):
+        if isinstance(body, dict):
+            return {k: v for k, v in body.items() if v is not None or k not in cls.model_fields}
+        return body
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) of the first field set to something this server does not implement."""
+        neutral = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0,
+                   "min_tokens": 0}
+        for name, value in neutral.items():
+            if getattr(self, name) != value:
+                return name, f"{name} is not supported (only {value:g}, its neutral value, is accepted)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported (only an empty one is accepted)"
+        if (self.stream_options or {}).get("continuous_usage_stats"):
+            return "stream_options", "stream_options.continuous_usage_stats is not supported"
+        return None
 
     def sampling(self, default_max: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -73,6 +108,17 @@ class CompletionRequest(_Base):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
     logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo or self.logprobs:
+            return ("echo", "echo is not supported") if self.echo else ("logprobs", "logprobs are not supported")
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        return super().unsupported()
 
 
 class ContentPart(_Strict):
@@ -102,6 +148,39 @@ class ChatRequest(_Base):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs or self.top_logprobs:
+            return "logprobs", "logprobs are not supported"
+        if self.tools or self.tool_choice not in (None, "none", "auto"):
+            return "tools", "tools and tool calls are not supported"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format", "response_format other than {\"type\": \"text\"} is not supported"
+        return super().unsupported()
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's extension; its benchmark client aligns its prompts with it): a prompt or a chat."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize``: token ids back to text."""
+    model: str | None = None
+    tokens: list[int]
 
 
 def parse_body(raw: bytes, limits: ServerLimits) -> dict:
@@ -165,13 +244,17 @@ def validate(cls, body: dict, limits: ServerLimits):
         raise APIError(400, f"{len(body['prompt'])} prompts: at most server.max_prompts ({limits.max_prompts}) per "
                        "request", param="prompt")
     try:
-        return cls.model_validate(body)
+        req = cls.model_validate(body)
     except ValidationError as err:
         # the deepest error says most (a union reports one per branch); union branch tags leave the path
         first = max(err.errors(), key=lambda e: len(e.get("loc", ())))
         where = ".".join(str(p) for p in first.get("loc", ()) if not _branch_tag(p))
         msg = first.get("msg", "invalid value").removeprefix("Value error, ")
         raise APIError(400, f"{where}: {msg}" if where else msg, param=where or None) from None
+    refused = req.unsupported() if isinstance(req, _Base) else None
+    if refused is not None:
+        raise APIError(400, refused[1], param=refused[0], code="unsupported_parameter")
+    return req
 
 
 def _branch_tag(part) -> bool:
