@@ -9,7 +9,7 @@ import torch
 
 from kvflow.engine import EngineConfig, LLMEngine
 from kvflow.engine.paged_cache import PagedKVCache
-from kvflow.engine.reserve import MemoryBudget, measure_activation_reserve, weight_bytes
+from kvflow.engine.reserve import MemoryBudget, estimated_reserve, measure_activation_reserve, weight_bytes
 
 
 def test_reserve_is_positive_and_grows_with_the_token_budget(tiny):
@@ -88,8 +88,8 @@ def test_startup_report_adds_up(tiny, caplog):
     per_block = 16 * tiny.shape.kv_bytes_per_token("float32")
     assert m.kv_blocks == engine.num_blocks * per_block == engine.cache.kv.numel() * 4
     longest = min(engine.max_model_len, engine.num_blocks * 16)
-    assert m.activation_reserve == measure_activation_reserve(tiny, 256, max_model_len=longest,
-                                                              max_num_seqs=engine.config.max_num_seqs)
+    assert m.activation_reserve == estimated_reserve(tiny, 256, max_model_len=longest,
+                                                     max_num_seqs=engine.config.max_num_seqs)
     assert m.weights == weight_bytes(tiny)
     assert m.total == m.weights + m.activation_reserve + m.kv_blocks
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory:"))

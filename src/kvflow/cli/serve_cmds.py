@@ -11,6 +11,7 @@ import typer
 from kvflow.cli.limits import MAX_RHO, seed_option
 from kvflow.cli.main import app, bench_app
 from kvflow.errors import KVFlowError
+from kvflow.model.catalog import DEFAULT as DEFAULT_MODEL
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -24,7 +25,8 @@ def _check_listen(host: str, port: int) -> None:
 
 
 @app.command()
-def serve(model: str = typer.Option("tiny", "--model", help="preset name or local transformers checkpoint directory"),
+def serve(model: str = typer.Option(DEFAULT_MODEL, "--model", help="a real model by name (kvflow models), a preset "
+                                    "name or a local transformers checkpoint directory"),
           config: Optional[Path] = typer.Option(None, "--config", help="YAML/TOML with engine: and pool: sections"),
           host: str = typer.Option("127.0.0.1", "--host"),
           port: int = typer.Option(8000, "--port"),
