@@ -59,7 +59,7 @@ class StartupRun:
     def row(self) -> dict:
         return {"server": self.server, "start": self.start, "healthy_s": self.healthy_s,
                 "first_token_s": self.first_token_s, "ttft_s": self.ttft_s, "answer_s": self.answer_s,
-                "load": self.load_before, "answer": self.answer.strip()[:40]}
+                "load": self.load_before, "answer": " ".join(self.answer.split())[:40]}
 
 
 @dataclass(slots=True)
