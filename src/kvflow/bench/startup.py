@@ -140,14 +140,15 @@ def startup_bench(opts: StartupOptions, note: Callable[[str], None] = lambda s: 
     from kvflow.integrations.vllm_server import DefaultsProfile, VLLMServer, vllm_venv
     from kvflow.model import catalog
 
-    checkpoint = catalog.resolve(opts.model) if catalog.is_real(opts.model) else Path(opts.model).resolve()
-    if not (checkpoint / "config.json").is_file():
-        raise KVFlowError(f"{opts.model}: no checkpoint directory (config.json) at {checkpoint}")
     venv = None
     if opts.peer:
         venv = vllm_venv(opts.peer_venv)
         if venv is None:
             raise KVFlowError("no vLLM venv (make vllm, --peer-venv or $KVFLOW_VLLM_VENV); or run with --no-peer")
+    checkpoint = catalog.resolve(opts.model) if catalog.is_real(opts.model) else Path(opts.model).resolve()
+    if not (checkpoint / "config.json").is_file():
+        raise KVFlowError(f"{opts.model}: no checkpoint directory (config.json) at {checkpoint}; bench startup "
+                          "times a real model (a catalog name or a transformers checkpoint)")
     served = opts.model if catalog.is_real(opts.model) else checkpoint.name
     result = StartupResult(opts.model, str(checkpoint), os.cpu_count() or 1)
     home, cwd = fresh_home(opts.folder), opts.folder / "kvflow-cwd"
