@@ -117,7 +117,15 @@ def _convert(tp, value: Any, where: str):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _convert(args[0], value, where)
+        try:
+            return _convert(args[0], value, where)
+        except ConfigError:             # ``int | str``: a size, else a word (``auto``), else the first type's error
+            for other in args[1:]:
+                try:
+                    return _convert(other, value, where)
+                except ConfigError:
+                    pass
+            raise
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")

@@ -9,12 +9,13 @@ import torch
 from kvflow.cost import CostModel, cost_profile, saved_profile
 from kvflow.cost import profiler
 
-RUNNER = SimpleNamespace(name="tiny", fingerprint="ab" * 16, device=torch.device("cpu"))
+RUNNER = SimpleNamespace(name="tiny", fingerprint="ab" * 16, device=torch.device("cpu"), num_layers=4)
 
 
 def fitted(max_position: int, threads: int) -> CostModel:
     return CostModel("tiny", RUNNER.fingerprint, threads, 1e-4, 3e-8, 4e-3, 5e-4, 0.02, 512, 4,
-                     fit={"max_position": max_position, "held_out_median_rel_error": 0.01})
+                     fit={"max_position": max_position, "held_out_median_rel_error": 0.01,
+                          "train_points": 18, "layers_measured": 4, "seconds": 1.0})
 
 
 @pytest.fixture
@@ -22,7 +23,7 @@ def profiled(monkeypatch, tmp_path):
     monkeypatch.setenv("KVFLOW_HOME", str(tmp_path))
     runs = []
 
-    def fake(runner, *, max_position, repeats, progress=None):
+    def fake(runner, *, max_position, repeats, progress=None, **grid):
         runs.append((max_position, torch.get_num_threads()))
         return fitted(max_position, torch.get_num_threads())
     monkeypatch.setattr(profiler, "profile", fake)

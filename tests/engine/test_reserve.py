@@ -1,4 +1,5 @@
-"""The activation reserve is measured (positive, grows with the token budget) and the start-up budget adds up."""
+"""The activation reserve is measured (positive, grows with the token budget) where the engine holds its budget and
+estimated otherwise; an auto KV budget follows free memory; the start-up budget adds up."""
 
 import logging
 import subprocess
@@ -9,7 +10,8 @@ import torch
 
 from kvflow.engine import EngineConfig, LLMEngine
 from kvflow.engine.paged_cache import PagedKVCache
-from kvflow.engine.reserve import MemoryBudget, measure_activation_reserve, weight_bytes
+from kvflow.errors import ConfigError
+from kvflow.engine.reserve import MemoryBudget, estimated_reserve, measure_activation_reserve, weight_bytes
 
 
 def test_reserve_is_positive_and_grows_with_the_token_budget(tiny):
@@ -88,8 +90,8 @@ def test_startup_report_adds_up(tiny, caplog):
     per_block = 16 * tiny.shape.kv_bytes_per_token("float32")
     assert m.kv_blocks == engine.num_blocks * per_block == engine.cache.kv.numel() * 4
     longest = min(engine.max_model_len, engine.num_blocks * 16)
-    assert m.activation_reserve == measure_activation_reserve(tiny, 256, max_model_len=longest,
-                                                              max_num_seqs=engine.config.max_num_seqs)
+    assert m.activation_reserve == estimated_reserve(tiny, 256, max_model_len=longest,
+                                                     max_num_seqs=engine.config.max_num_seqs)
     assert m.weights == weight_bytes(tiny)
     assert m.total == m.weights + m.activation_reserve + m.kv_blocks
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory:"))
@@ -217,3 +219,42 @@ def test_the_reserve_is_measured_again_in_the_other_heap_regime(tiny, monkeypatc
     assert measure_activation_reserve(tiny, 64, max_model_len=64) == 10
     monkeypatch.setattr(host_memory, "_in_force", host_memory.LIVE_SET)
     assert measure_activation_reserve(tiny, 64, max_model_len=64) == 20
+
+
+def test_an_auto_kv_budget_is_a_share_of_free_memory_capped_at_what_the_engine_can_fill(tiny):
+    from kvflow.engine.reserve import auto_kv_budget
+    cfg = EngineConfig(kv_budget="auto", max_num_seqs=4)
+    cfg.validate()
+    per_token = tiny.shape.kv_bytes_per_token("float32")
+    share = auto_kv_budget(tiny, cfg, 4096, reserve=2**20, available=64 * 2**20 + 2**20)
+    assert share.why == "share" and share.budget == 16 * 2**20 and "available" in share.line()
+    capped = auto_kv_budget(tiny, cfg, 1024, reserve=0, available=2**40)
+    assert capped.why == "cap" and capped.budget == 1024 * 4 * per_token
+    one = auto_kv_budget(tiny, cfg, 8192, reserve=0, available=40 * 2**20)      # a share below one 8K sequence
+    assert one.why == "one sequence" and one.budget == 8192 * per_token
+    with pytest.raises(ConfigError):
+        auto_kv_budget(tiny, cfg, 1024, reserve=2**20, available=2**20)
+
+
+def test_an_engine_with_an_auto_budget_sizes_its_blocks_from_free_memory(tiny, monkeypatch):
+    import kvflow.stats
+    monkeypatch.setattr(kvflow.stats, "available_memory", lambda: 64 * 2**20)
+    cfg = EngineConfig(kv_budget="auto", max_model_len=4096)
+    cfg.validate()
+    engine = LLMEngine(tiny, cfg)
+    assert engine.kv_sizing is not None and engine.num_blocks * 16 * tiny.kv_bytes_per_token() <= 16 * 2**20
+
+
+@pytest.mark.parametrize("value", ["lots", "-5M", 0, "auto!"])
+def test_a_kv_budget_is_a_size_or_auto_else_one_config_error(value):
+    with pytest.raises(ConfigError, match="kv_budget"):
+        EngineConfig.load({"engine": {"kv_budget": value}})
+    assert EngineConfig.load({"engine": {"kv_budget": " Auto "}}).auto_kv_budget
+
+
+def test_the_default_reserve_is_estimated_from_the_shape_and_a_stated_one_is_kept(tiny):
+    from kvflow.engine.reserve import engine_reserve
+    plain = EngineConfig(max_num_batched_tokens=64)
+    assert engine_reserve(tiny, plain, 1024) == (estimated_reserve(tiny, 64, max_model_len=1024,
+                                                                   max_num_seqs=plain.max_num_seqs), "estimated")
+    assert engine_reserve(tiny, EngineConfig(activation_reserve=5), 1024) == (5, "stated")

@@ -36,6 +36,8 @@ def test_bench_serve_drives_a_multi_round_chat_through_the_openai_client(tmp_pat
                                   ["bench", "serve", "--workload", "poetry"],
                                   ["bench", "serve", "--url", "http://127.0.0.1:9/v1"],
                                   ["bench", "decode", "--sequences", "1"],
+                                  ["bench", "startup", "--model", "/nonexistent/checkpoint", "--no-peer"],
+                                  ["bench", "startup", "--model", "tiny", "--peer-venv", "/nonexistent/venv"],
                                   ["serve", "--port", "70000"]])
 def test_bad_options_are_one_line_and_exit_2(args, capsys, tmp_path):
     assert main(args + (["--out", str(tmp_path)] if args[0] == "bench" else [])) == 2

@@ -1,6 +1,8 @@
 """`kvflow serve`'s config: the engine: section fills EngineConfig (env overrides too), a pool: section turns the
 pool tier on, and a bad key is one ConfigError."""
 
+import shutil
+
 import pytest
 
 from kvflow.errors import ConfigError
@@ -84,3 +86,25 @@ def test_a_bad_section_of_the_server_config_is_one_config_error(tmp_path, text):
     cfg.write_text(text)
     with pytest.raises(ConfigError):
         ServerLimits.load({"server": read_config(str(cfg)).get("server") or {}})
+
+
+def test_the_default_pool_is_sized_to_the_model_within_bounds_and_an_existing_file_keeps_its_size(tmp_path):
+    from types import SimpleNamespace
+
+    from kvflow.server.build import POOL_BOUNDS, default_pool_capacity
+    model = lambda positions, per_token: SimpleNamespace(max_positions=positions,                 # noqa: E731
+                                                         kv_bytes_per_token=lambda: per_token)
+    path = tmp_path / "kv.img"
+    assert default_pool_capacity(model(8192, 46080), path) == min(8 * 8192 * 46080 >> 20 << 20,
+                                                                  int(shutil.disk_usage(tmp_path).free * 0.1) >> 20 << 20)
+    assert default_pool_capacity(model(2048, 1024), path) <= POOL_BOUNDS[0]          # a small model: the floor
+    assert default_pool_capacity(model(2**20, 2**20), path) <= POOL_BOUNDS[1]         # a huge one: the ceiling
+    path.write_bytes(b"x")
+    assert default_pool_capacity(model(8192, 46080), path) is None
+
+
+def test_a_server_config_without_a_kv_budget_sizes_it_to_free_memory(monkeypatch):
+    import kvflow.stats
+    monkeypatch.setattr(kvflow.stats, "available_memory", lambda: 64 * 2**20)
+    engine, _ = build_engine("tiny", {"engine": {"max_num_batched_tokens": 64, "max_model_len": 4096}})
+    assert engine.kv_sizing is not None and engine.kv_sizing.available == 64 * 2**20

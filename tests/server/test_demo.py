@@ -68,20 +68,29 @@ def test_second_turn_restores_the_evicted_history_from_the_pool_with_both_strate
     assert (tmp_path / "second_turn.png").stat().st_size > 0
 
 
-def test_kvflow_serve_without_a_config_serves_tiny_with_a_pool_under_dot_kvflow(tmp_path, monkeypatch):
+def test_kvflow_serve_without_a_config_sizes_its_kv_and_keeps_a_pool_under_dot_kvflow(tmp_path, monkeypatch):
+    import inspect
+
     import uvicorn
 
+    import kvflow.stats
+    from kvflow.cli.serve_cmds import serve as serve_cmd
+    from kvflow.model import catalog
     from kvflow.server import build
 
+    assert inspect.signature(build.serve).parameters["model"].default == build.DEFAULT_MODEL == catalog.DEFAULT
+    assert inspect.signature(serve_cmd).parameters["model"].default.default == catalog.DEFAULT   # bare kvflow serve
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(kvflow.stats, "available_memory", lambda: 2 * 2**30)     # auto KV: a share of 2 GiB
     built, served = [], []
     real = build.build_engine
     monkeypatch.setattr(build, "build_engine", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(kw))
-    build.serve()
+    build.serve("tiny")                     # the embedded defaults on the small preset (the real model: bench startup)
     engine, _ = built[0]
     try:
-        assert engine.runner.name == build.DEFAULT_MODEL == "tiny" and served[0]["port"] == 8000
+        assert engine.runner.name == "tiny" and served[0]["port"] == 8000
+        assert engine.kv_sizing is not None and engine.kv_sizing.available == 2 * 2**30
         assert engine.pool is not None and engine.pool.chunk_tokens == build.DEFAULT_CHUNK_TOKENS
         assert (tmp_path / ".kvflow" / "pool" / "kv.img").is_file()
         assert (tmp_path / ".kvflow" / "pool" / "index").is_dir()

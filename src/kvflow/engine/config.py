@@ -8,12 +8,15 @@ from kvflow.config import _parse_size, check, load_section
 from kvflow.planner import STRATEGIES
 
 SCHEDULING_POLICIES = ("fcfs", "first-token")
+AUTO = "auto"
 
 
 @dataclass(slots=True)
 class EngineConfig:
     block_size: int = 16                  # tokens per KV block
-    kv_budget: int = 256 * 2**20          # bytes of resident KV (all blocks), e.g. "64M"
+    kv_budget: int | str = 256 * 2**20    # bytes of resident KV (all blocks), e.g. "64M"; "auto": sized to the model
+    #                                       and free memory (reserve.py; kvflow serve's default, where none is given)
+    kv_memory_share: float = 0.25         # kv_budget auto: this share of the memory available after the reserve
     num_blocks: int = 0                   # > 0: this many blocks instead of kv_budget / bytes per block
     max_num_batched_tokens: int = 512     # tokens computed per step (prefill chunks + decodes), vLLM's name
     max_num_seqs: int = 64                # running sequences at most
@@ -36,13 +39,19 @@ class EngineConfig:
         """The engine's resident memory must stay within its budget: held to the live set (engine/reserve.py)."""
         return self.release_heap or self.elastic_reserve
 
+    @property
+    def auto_kv_budget(self) -> bool:
+        return self.kv_budget == AUTO and self.num_blocks == 0
+
     def validate(self) -> None:
         if isinstance(self.kv_budget, str):
-            self.kv_budget = _parse_size(self.kv_budget)
+            text = self.kv_budget.strip().lower()
+            self.kv_budget = AUTO if text == AUTO else _parse_size(self.kv_budget, "engine.kv_budget (bytes or auto)")
         if isinstance(self.activation_reserve, str):
             self.activation_reserve = _parse_size(self.activation_reserve)
         check(self.block_size >= 1, f"engine.block_size must be >= 1, got {self.block_size}")
-        check(self.kv_budget > 0 or self.num_blocks > 0, "engine.kv_budget must be > 0")
+        check(self.kv_budget == AUTO or self.kv_budget > 0 or self.num_blocks > 0, "engine.kv_budget must be > 0")
+        check(0 < self.kv_memory_share <= 0.9, f"engine.kv_memory_share must be in (0, 0.9], got {self.kv_memory_share}")
         check(self.num_blocks >= 0, f"engine.num_blocks must be >= 0, got {self.num_blocks}")
         check(self.max_num_batched_tokens >= 1, "engine.max_num_batched_tokens must be >= 1")
         check(self.max_num_seqs >= 1, "engine.max_num_seqs must be >= 1")

@@ -28,7 +28,7 @@ from kvflow.engine.elastic import ElasticReserve
 from kvflow.engine.model_runner import BatchRunner, StepItem
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.engine.pool_tier import PoolTier
-from kvflow.engine.reserve import TRIM_TOKENS, MemoryBudget, measure_activation_reserve, weight_bytes
+from kvflow.engine.reserve import TRIM_TOKENS, MemoryBudget, auto_kv_budget, engine_reserve, weight_bytes
 from kvflow.engine.sampling import SamplingError, SamplingParams, sample
 from kvflow.engine.scheduler import Scheduler
 from kvflow.engine.sequence import Sequence, Status
@@ -107,15 +107,21 @@ class LLMEngine:
         self.runner, self.config, self.tokenizer = runner, config or EngineConfig(), tokenizer
         cfg = self.config
         per_block = cfg.block_size * runner.shape.kv_bytes_per_token(runner.dtype)
-        self.num_blocks = cfg.num_blocks or cfg.kv_budget // per_block
-        if self.num_blocks < 1:
-            raise ConfigError(f"engine.kv_budget {cfg.kv_budget} B holds no block ({per_block} B per block)")
         self.max_model_len = model_len(runner, cfg)
         if cfg.elastic_reserve and runner.device.type != "cpu":
             raise ConfigError(f"engine.elastic_reserve runs on the CPU only: its {runner.device.type} path (mapping "
                               "and unmapping the lent range of device memory) is not written; serve without it")
         if cfg.holds_to_live_set:   # before any reserve is measured: the probe and the served steps, one heap regime
             hold_to_live_set()
+        self.kv_sizing = None       # engine.kv_budget auto: how it was sized (reserve.py)
+        if cfg.auto_kv_budget:
+            self.kv_sizing = auto_kv_budget(runner, cfg, self.max_model_len,
+                                            engine_reserve(runner, cfg, self.max_model_len)[0])
+            log.info("%s", self.kv_sizing.line())
+        budget = self.kv_sizing.budget if self.kv_sizing else cfg.kv_budget
+        self.num_blocks = cfg.num_blocks or budget // per_block
+        if self.num_blocks < 1:
+            raise ConfigError(f"engine.kv_budget {cfg.kv_budget} B holds no block ({per_block} B per block)")
         longest = longest_sequence(runner, cfg, self.num_blocks)
         self.elastic = (ElasticReserve.create(runner, cfg, self.num_blocks, per_block, longest)
                         if cfg.elastic_reserve else None)
@@ -125,10 +131,12 @@ class LLMEngine:
                                   runner.device)
         self.blocks = BlockManager(self.num_blocks + len(lent), cfg.block_size, cfg.enable_prefix_caching, lent)
         self.batch_runner = BatchRunner(runner, self.cache)
-        reserve = cfg.activation_reserve or measure_activation_reserve(
-            runner, cfg.max_num_batched_tokens, max_model_len=longest, max_num_seqs=cfg.max_num_seqs)
+        began = time.perf_counter()
+        reserve, how = engine_reserve(runner, cfg, longest)       # stated, measured or estimated: reserve.py
         self.memory = MemoryBudget(weight_bytes(runner), reserve, self.num_blocks * per_block, self.num_blocks,
                                    cfg.block_size, len(lent))
+        log.info("activation reserve %s%s (engine/reserve.py)", how, f" in {time.perf_counter() - began:.1f} s"
+                 if how == "measured" else " from the model's shape, no step run" if how == "estimated" else "")
         log.info("%s", self.memory.line())
         self.pool = PoolTier(restorer, cfg.strategy, cfg.write_queue) if restorer is not None else None
         if restorer is not None and cfg.holds_to_live_set:

@@ -1,11 +1,28 @@
-"""The prefill activation reserve, measured, and the memory budget the engine reports at start-up.
+"""The prefill activation reserve (estimated or measured), the KV budget sized to the machine, and the memory budget
+the engine reports at start-up.
 
     budget = MemoryBudget(weights, activation_reserve, kv_blocks, num_blocks, block_size)
     log.info(budget.line())   # memory: weights 11.5 MiB + activation reserve 9.8 MiB + KV blocks 256.0 MiB (...) = ...
 
 The reserve is what one engine step of ``max_num_batched_tokens`` tokens allocates beyond the weights and the KV
 blocks (hidden states, MLP intermediates, one sequence's gathered K/V of one layer, the chunk's attention mask and
-workspace, logits). It is *measured*: the steps such an engine runs — the budget's tokens as a prompt's first
+workspace, logits). Which reserve an engine uses is decided in one place, ``engine_reserve``:
+
+* ``engine.activation_reserve`` stated: that;
+* the engine holds its memory budget (``engine.release_heap``, on with ``engine.elastic_reserve``): *measured* by
+  the probe below — there the reserve is a bound the served steps are held to, and the elastic reserve lends it;
+* otherwise (the default): *estimated* from the model's shape, no step run (``estimated_reserve``). Without the
+  live-set regime glibc's heap makes served steps read 32-57 MiB apart from one process to the next (below), so no
+  probe bounds them anyway; the reserve is then what the start-up line reports and what an ``auto`` KV budget leaves
+  aside, and a probe at a real model's longest sequence cost minutes at start-up (smollm2-135m, 8K positions: ~4 min
+  on this 2-core machine) for a figure no step is held to.
+
+The estimate: 2 x the shape formula's one-layer peak for the step's tokens (model/shape.py; the probe reads about 2x
+it from position 0 — per-thread buffers, fp32 norm temporaries) + 3 x one layer's K/V bytes per key of the longest
+sequence (its gathered K/V and SDPA's copies: ~1.45 KB a key on tiny, 3x its 512 B) + the sampled sequences' fp32
+logits. On tiny (512 tokens, ~20K-token sequences) that is 40 MiB against one-step probe readings of 39-46 MiB.
+
+The probe: the steps such an engine runs — the budget's tokens as a prompt's first
 chunk, as a chunk half-way to the longest sequence the engine holds and at its end, with decode steps between them,
 back to back (one "window", see ``_window``) — through the engine's own ``BatchRunner`` over a throw-away paged
 cache. Three windows are run; the reserve is the highest peak plus the spread between the three (identical windows
@@ -152,6 +169,68 @@ def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model
             _CACHE[key] = formula_reserve(runner, tokens)
             log.warning("activation reserve not measurable here (%s); using the shape formula: %d B", err, _CACHE[key])
     return _CACHE[key]
+
+
+def estimated_reserve(runner, tokens: int, *, max_model_len: int | None = None, max_num_seqs: int = 1) -> int:
+    """The reserve from the model's shape, no step run (the module docstring's estimate), for the same arguments as
+    :func:`measure_activation_reserve`."""
+    shape, keys = runner.shape, max(1, min(max_model_len or tokens, runner.max_positions or 2**62))
+    seqs = max(1, min(max_num_seqs, tokens))
+    return (2 * shape.activation_bytes(tokens, runner.dtype) + 3 * keys * shape.kv_bytes_per_token_layer(runner.dtype)
+            + 4 * seqs * shape.vocab)
+
+
+def engine_reserve(runner, cfg, longest: int) -> tuple[int, str]:
+    """(bytes, how) of the activation reserve of an engine with config ``cfg`` whose longest sequence is ``longest``:
+    stated, measured (the engine holds its budget) or estimated — the rule of the module docstring."""
+    if cfg.activation_reserve:
+        return cfg.activation_reserve, "stated"
+    args = dict(max_model_len=longest, max_num_seqs=cfg.max_num_seqs)
+    if cfg.holds_to_live_set:
+        return measure_activation_reserve(runner, cfg.max_num_batched_tokens, **args), "measured"
+    return estimated_reserve(runner, cfg.max_num_batched_tokens, **args), "estimated"
+
+
+@dataclass(frozen=True, slots=True)
+class KVSizing:
+    """How ``engine.kv_budget: auto`` was sized: a share of the memory available once the weights are loaded and
+    the activation reserve set aside, capped at what the engine could ever fill (``max_model_len x max_num_seqs``),
+    raised to one ``max_model_len`` sequence where memory allows."""
+    budget: int
+    per_token: int           # KV bytes of one token (every layer)
+    available: int           # bytes available (MemAvailable; a device's free memory) with the weights loaded
+    reserve: int
+    share: float
+    cap: int                 # max_model_len x max_num_seqs tokens' KV
+    why: str                 # "share", "cap" or "one sequence"
+
+    def line(self) -> str:
+        return (f"kv_budget auto: {_mib(self.budget)} = {self.budget // self.per_token:,} tokens x "
+                f"{self.per_token:,} B/token ({self.why}: {self.share:.0%} of {_mib(self.available)} available less "
+                f"the {_mib(self.reserve)} activation reserve; cap max_model_len x max_num_seqs = {_mib(self.cap)})")
+
+
+def auto_kv_budget(runner, cfg, max_model_len: int, reserve: int, available: int | None = None) -> KVSizing:
+    """``engine.kv_budget: auto`` for ``runner`` on this machine (see KVSizing); ConfigError when no block fits."""
+    from kvflow.errors import ConfigError
+    from kvflow.stats import available_memory
+
+    per_token = runner.shape.kv_bytes_per_token(runner.dtype)
+    if available is None:
+        available = (torch.cuda.mem_get_info(runner.device)[0] if runner.device.type == "cuda"
+                     else available_memory())
+    usable = max(0, available - reserve)
+    cap = max_model_len * cfg.max_num_seqs * per_token
+    one = max_model_len * per_token
+    budget, why = (int(cfg.kv_memory_share * usable), "share")
+    if budget >= cap:
+        budget, why = cap, "cap"
+    elif budget < one and one <= usable // 2:
+        budget, why = one, "one sequence"
+    if budget < cfg.block_size * per_token:
+        raise ConfigError(f"engine.kv_budget auto: {_mib(available)} available holds no KV block of "
+                          f"{cfg.block_size * per_token} B; give engine.kv_budget in bytes")
+    return KVSizing(budget, per_token, available, reserve, cfg.kv_memory_share, cap, why)
 
 
 def formula_reserve(runner, tokens: int) -> int:

@@ -5,6 +5,8 @@
     PeerProfile        the peer of ``kvflow bench serve --peer vllm``: the same model, KV budget and workload as
                        kvflow's engine, prefix caching on, served under kvflow's model name (``running_peer``:
                        the random-weight model saved as a checkpoint, the server started and warmed up)
+    DefaultsProfile    ``kvflow bench startup``: vLLM as a user starts it on the CPU — the checkpoint with its
+                       tokenizer, fp32, eager, the model's own context, a KV space in whole GiB — under kvflow's name
 
     with VLLMServer(venv, checkpoint, ConnectorProfile(kv_transfer=connector_config({...})), log) as server:
         server.complete(token_ids, max_tokens=32)      # greedy token ids
@@ -137,23 +139,49 @@ class PeerProfile:
         return args
 
     def env(self, venv: Path, base: dict) -> dict:
-        from kvflow.model.host_memory import peer_env
+        return {**_own_env(venv, base, self.threads_bind, self.kv_space_gib),
+                "VLLM_SERVER_DEV_MODE": "1"}      # POST /reset_prefix_cache: every round starts cold, as kvflow's
 
-        env = {k: v for k, v in base.items() if not (k.startswith("VIRTUAL_ENV") or k == "PYTHONPATH")}
-        env.update(VLLM_CPU_OMP_THREADS_BIND=self.threads_bind, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                   VLLM_CPU_KVCACHE_SPACE=str(self.kv_space_gib),
-                   VLLM_SERVER_DEV_MODE="1",          # POST /reset_prefix_cache: every round starts cold, as kvflow's
-                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
-                   **peer_env())                  # the allocator thresholds kvflow's own process runs with
-        return env
+
+@dataclass(frozen=True, slots=True)
+class DefaultsProfile:
+    served: str
+    kvcache_gib: int = 4            # VLLM_CPU_KVCACHE_SPACE
+    dtype: str = "float32"
+    threads_bind: str = "0-1"
+    nice: bool = False
+    startup_s: float = 900.0
+    term_s: float = 10.0
+
+    def served_name(self, checkpoint: Path) -> str:
+        return self.served
+
+    def args(self, checkpoint: Path) -> list[str]:
+        return ["--served-model-name", self.served, "--dtype", self.dtype, "--enforce-eager",
+                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+
+    def env(self, venv: Path, base: dict) -> dict:
+        return _own_env(venv, base, self.threads_bind, self.kvcache_gib)
+
+
+def _own_env(venv: Path, base: dict, threads_bind: str, kv_space_gib: int) -> dict:
+    """``base`` for a vLLM of its own venv (kvflow's venv and PYTHONPATH left out), offline, on ``threads_bind``."""
+    from kvflow.model.host_memory import peer_env
+
+    env = {k: v for k, v in base.items() if not (k.startswith("VIRTUAL_ENV") or k == "PYTHONPATH")}
+    env.update(VLLM_CPU_OMP_THREADS_BIND=threads_bind, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+               **peer_env())                  # the allocator thresholds kvflow's own process runs with
+    return env
 
 
 class VLLMServer:
     """vLLM's OpenAI server for ``checkpoint`` from ``venv``, started and stopped by a Supervised process."""
 
-    def __init__(self, venv: Path, checkpoint: Path, profile: ConnectorProfile | PeerProfile, log_path: Path,
-                 port: int | None = None, name: str = "vLLM"):
+    def __init__(self, venv: Path, checkpoint: Path, profile: ConnectorProfile | PeerProfile | DefaultsProfile,
+                 log_path: Path, port: int | None = None, name: str = "vLLM"):
         self.venv, self.checkpoint, self.profile = Path(venv), Path(checkpoint), profile
         self.log_path, self.port, self.name = Path(log_path), port or free_port(), name
         self.model = profile.served_name(self.checkpoint)
