@@ -307,7 +307,6 @@ class VLLMServer:
             raise KVFlowError("the vLLM peer did not empty its prefix cache (POST /reset_prefix_cache)")
 
 
-@contextlib.contextmanager
 def text_checkpoint(model: str) -> Path | None:
     """The checkpoint directory of ``model`` (a real model's name or a directory) when it has its own tokenizer: both
     servers then take the workload as text; None for a random-weight preset."""
@@ -317,6 +316,7 @@ def text_checkpoint(model: str) -> Path | None:
     return path if path.is_dir() and has_tokenizer(path) else None
 
 
+@contextlib.contextmanager
 def running_peer(name: str, runner, served_name: str, kv_tokens: int, block_size: int, max_num_batched_tokens: int,
                  folder: Path, venv: Path, seed: int = 0, timeout_s: float = 600.0, checkpoint: Path | None = None):
     """The peer serving ``runner``'s model for the block: ``checkpoint`` as it is (with its tokenizer: text prompts),
