@@ -8,7 +8,7 @@ import pytest
 from kvflow.cli.main import main
 from tests.engine.helpers import synthetic_cost
 
-TINY_CHAT = ["--users", "2", "--rounds", "3", "--rate", "50", "--system-tokens", "96", "--user-tokens", "8",
+TINY_CHAT = ["--model", "tiny", "--text", "random", "--users", "2", "--rounds", "3", "--rate", "50", "--system-tokens", "96", "--user-tokens", "8",
              "--answer-tokens", "3", "--think", "0.2", "--kv-share", "0.05", "--repeats", "1"]
 
 

@@ -35,12 +35,14 @@ STOP_TIMEOUT_S = 120.0
 
 
 def engine_for(model: str, seed: int, **kwargs):
-    """``kvflow_engine`` over ``model`` loaded here (the child), its set-up on a thread that ends."""
+    """``kvflow_engine`` over ``model`` loaded here (the child) with its tokenizer, its set-up on a thread that ends."""
     from kvflow import load_model
+    from kvflow.engine.tokenizer import load_tokenizer
     from kvflow.threads import in_fresh_thread
 
     runner = in_fresh_thread(load_model, model, seed=seed)
-    return in_fresh_thread(kvflow_engine, runner, **kwargs)
+    return in_fresh_thread(kvflow_engine, runner, tokenizer=load_tokenizer(model, runner.config.vocab_size),
+                           **kwargs)
 
 
 def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, name: str = "pool",
@@ -70,9 +72,10 @@ def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, 
 
 def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int, pool_bytes: int, chunk_tokens: int,
                   max_num_batched_tokens: int, cost=None, pool_dir: str | None = None, rho: float | None = None,
-                  recompute_rate: float | None = None, scheduling_policy: str | None = None):
+                  recompute_rate: float | None = None, scheduling_policy: str | None = None, tokenizer=None,
+                  activation_reserve: int = 0):
     """An engine over ``runner`` with a fresh pool (``strategy`` None: no pool tier; ``scheduling_policy`` None:
-    the engine's default)."""
+    the engine's default; ``tokenizer`` None: the byte-level one; ``activation_reserve`` 0: measured)."""
     from kvflow import Restorer
     from kvflow.engine import EngineConfig, LLMEngine
     from kvflow.engine.tokenizer import ByteTokenizer
@@ -82,10 +85,10 @@ def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int,
         pool = fresh_pool(pool_bytes, chunk_tokens, pool_dir, strategy, rho, recompute_rate)
         restorer = Restorer(runner, pool, cost=cost)
     cfg = EngineConfig(block_size=block_size, kv_budget=kv_budget, strategy=strategy or "cacheflow",
-                       max_num_batched_tokens=max_num_batched_tokens,
+                       max_num_batched_tokens=max_num_batched_tokens, activation_reserve=activation_reserve,
                        **({} if scheduling_policy is None else {"scheduling_policy": scheduling_policy}))
     cfg.validate()
-    return LLMEngine(runner, cfg, restorer=restorer, tokenizer=ByteTokenizer(runner.config.vocab_size))
+    return LLMEngine(runner, cfg, restorer=restorer, tokenizer=tokenizer or ByteTokenizer(runner.config.vocab_size))
 
 
 def hit_split(engine) -> dict:
