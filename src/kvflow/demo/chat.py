@@ -318,13 +318,17 @@ def median_summary(summaries: list[dict]) -> dict:
 
 def written_history_tokens(w: ChatWorkload, tokenizer) -> list[int]:
     """Written text: each user's whole conversation in ``tokenizer``'s chat rendering, every answer counted at its
-    longest (``answer_tokens``) — the longest prompt a user's last turn can send, plus its answer."""
+    longest as the next turn's prompt holds it — its text encoded again: a checkpoint's tokenizer gives back about
+    the answer's own tokens (16 over, at most, here), the byte-level one up to one byte per digit of an id >= 256
+    ("<|id|>") — the longest prompt a user's last turn can send, plus its answer."""
+    per_token = len(f"<|{tokenizer.vocab_size - 1}|>") if tokenizer.kind == "bytes" else 1
+    answer = w.answer_tokens * per_token + (0 if tokenizer.kind == "bytes" else 16)
     out = []
     for s in sessions(w):
         messages = [{"role": "system", "content": s.system}]
         for _, content, _ in s.turns:
             messages += [{"role": "user", "content": content}, {"role": "assistant", "content": ""}]
-        out.append(len(tokenizer.chat(messages[:-1])) + w.rounds * w.answer_tokens)
+        out.append(len(tokenizer.chat(messages[:-1])) + w.rounds * answer)
     return out
 
 
