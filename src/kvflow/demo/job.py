@@ -54,9 +54,11 @@ def status(message: str) -> None:
 
 
 def profile_positions(longest: int) -> int:
-    """Positions the demo's cost profile covers: its longest sequence, rounded up to a power of two (at least 1,024;
-    cost/saved.py reuses a saved profile of at least half that), not the model's whole context."""
-    return max(1024, 1 << (longest - 1).bit_length())
+    """Positions the demo's cost profile covers: its longest sequence rounded up to a power of two, from 1,024 to
+    cost/saved.py's MAX_POSITION (the fit is linear in position beyond it; a saved profile of at least half the
+    positions is reused), not the model's whole context."""
+    from kvflow.cost.saved import MAX_POSITION
+    return min(MAX_POSITION, max(1024, 1 << (longest - 1).bit_length()))
 
 
 def demo_job(o: DemoOptions, cost_for: Callable, progress_bar: Callable) -> DemoJob:
