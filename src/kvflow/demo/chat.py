@@ -44,8 +44,9 @@ TEXTS = ("random", "written")
 
 # `kvflow bench serve`'s chat: vLLM's benchmarks/multi_turn shape (a per-conversation prefix of ~1,000 tokens, user
 # turns of ~120-160 tokens, answers of ~80-120) at 12 turns — histories grow to 3-4.6K tokens, where restoring an
-# evicted history pays. The dataclass defaults below are the short chat `kvflow demo` runs (histories under 900
-# tokens: recomputing one costs about as much as a step, so no restoration policy shows there).
+# evicted history pays. The dataclass defaults below are a short random-text chat (on tiny, histories under 900
+# tokens: recomputing one costs about as much as a step, so no restoration policy shows there); `kvflow demo` runs
+# the written conversations (text="written") on smollm2-135m.
 CHAT_SHAPE = dict(rounds=12, system_tokens=1024, user_tokens=128, answer_tokens=96, think_s=2.0)
 
 
