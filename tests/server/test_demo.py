@@ -1,5 +1,5 @@
-"""`make demo`'s job (`kvflow demo`) and `kvflow bench second-turn` at tiny sizes, and the embedded defaults that
-`kvflow serve` shares with the demo (tiny, a pool under ./.kvflow/)."""
+"""`make demo`'s job (`kvflow demo`, on tiny: the real model's run takes minutes) and `kvflow bench second-turn` at
+tiny sizes, and the embedded defaults that `kvflow serve` shares with the demo (a pool under ./.kvflow/)."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 from kvflow.cli.main import main
 from tests.engine.helpers import synthetic_cost
 
-TINY_CHAT = ["--users", "2", "--rounds", "3", "--rate", "50", "--system-tokens", "96", "--user-tokens", "8",
+TINY_CHAT = ["--model", "tiny", "--text", "random", "--users", "2", "--rounds", "3", "--rate", "50", "--system-tokens", "96", "--user-tokens", "8",
              "--answer-tokens", "3", "--think", "0.2", "--kv-share", "0.05", "--repeats", "1"]
 
 
@@ -39,8 +39,45 @@ def test_the_demo_job_prints_the_ttft_table_writes_json_and_png_and_its_tokens_a
     assert (tmp_path / ".kvflow" / "demo").is_dir() and not list((tmp_path / ".kvflow" / "demo").iterdir())
 
 
+def test_the_demo_on_written_text_shows_a_readable_exchange_and_its_served_tokens_are_exact(
+        tmp_path, monkeypatch, capsys, no_profiling):
+    from kvflow.demo import texts
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--model", "tiny", "--users", "2", "--rounds", "2", "--rate", "50", "--answer-tokens", "4",
+                 "--think", "0.1", "--repeats", "1"]) == 0
+    printed = capsys.readouterr().out
+    last_question = texts.questions(0, 2)[-1]
+    assert "question:" in printed and "answer:" in printed and last_question[:40] in printed
+    (folder,) = (tmp_path / "runs").glob("demo-*")
+    res = json.loads((folder / "demo.json").read_text())
+    assert res["workload"]["text"] == "written" and res["exchange"]["question"] == last_question
+    assert res["exact"]["all_equal"] and all(t["same_prompt"] and t["served_in_run_equal"]
+                                             for t in res["exact"]["turns"])
+    assert all(run["summary"]["errors"] == 0 for run in res["runs"].values())
+
+
+def test_written_conversations_give_every_user_a_history_of_its_own_and_keep_the_workloads_shape():
+    from kvflow.demo import texts
+    from kvflow.demo.chat import ChatWorkload, sessions
+    from kvflow.errors import KVFlowError
+
+    w = ChatWorkload(users=len(texts.CONVERSATIONS) + 2, rounds=6, text="written", seed=3)
+    got = sessions(w)
+    assert len({s.system for s in got}) == len(got)               # no two users share a prefix
+    for u, s in enumerate(got):
+        asked = texts.conversation(u, 3).questions
+        assert [t[1] for t in s.turns] == list(asked) + list(texts.FOLLOW_UPS[:6 - len(asked)])
+        assert texts.conversation(u, 3).document in s.system
+    random_text = sessions(ChatWorkload(users=w.users, rounds=6, seed=3))
+    assert [s.arrival_s for s in got] == [s.arrival_s for s in random_text]   # the same Poisson arrivals
+    assert sessions(w) == got and sessions(ChatWorkload(users=w.users, rounds=6, text="written", seed=4)) != got
+    assert w.ignore_eos is False and ChatWorkload().ignore_eos is True
+    with pytest.raises(KVFlowError):
+        ChatWorkload("docqa", text="written").validate()
+
+
 @pytest.mark.parametrize("args", [["demo", "--users", "0"], ["demo", "--kv-share", "9"], ["demo", "--repeats", "0"],
-                                  ["demo", "--model", "nosuch"], ["bench", "second-turn", "--rho", "0"],
+                                  ["demo", "--model", "nosuch"], ["demo", "--text", "poems"], ["bench", "second-turn", "--rho", "0"],
                                   ["bench", "second-turn", "--history", "10"],
                                   ["bench", "second-turn", "--model", "nosuch"]])
 def test_bad_demo_and_second_turn_options_are_one_line_and_exit_2(args, tmp_path, capsys, no_profiling):

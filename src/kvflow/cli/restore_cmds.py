@@ -37,12 +37,18 @@ app.add_typer(demo_app, name="demo")
 
 @demo_app.callback()
 def demo(ctx: typer.Context,
-         model: Optional[str] = typer.Option(None, help="preset or checkpoint directory (default: tiny)"),
-         users: int = typer.Option(8, help="chat users (Poisson arrivals)"),
-         rounds: int = typer.Option(4, help="turns per user"),
+         model: Optional[str] = typer.Option(None, help="real model, preset or checkpoint directory (default: "
+                                                        "smollm2-135m)"),
+         users: int = typer.Option(4, help="chat users (Poisson arrivals)"),
+         rounds: int = typer.Option(3, help="turns per user"),
          rate: float = typer.Option(2.0, help="users arriving per second"),
-         system_tokens: int = typer.Option(256), user_tokens: int = typer.Option(64),
-         answer_tokens: int = typer.Option(16), think: float = typer.Option(0.5, help="mean think time s"),
+         text: str = typer.Option("written", help="written: the conversations of kvflow/demo/texts.py (each user "
+                                                  "asks about a reference document); random: random words of "
+                                                  "--system-tokens / --user-tokens"),
+         system_tokens: int = typer.Option(256, help="random text: system prompt tokens"),
+         user_tokens: int = typer.Option(64, help="random text: user turn tokens"),
+         answer_tokens: int = typer.Option(32, help="answer tokens at most (random text: exactly)"),
+         think: float = typer.Option(0.5, help="mean think time s"),
          kv_share: float = typer.Option(0.25, help="resident KV budget as a share of the working set"),
          repeats: int = typer.Option(2, help="rounds over recompute and cacheflow, alternated ABBA... (medians)"),
          check: bool = typer.Option(True, help="replay user 0's conversation and compare its tokens with generate"),
@@ -50,14 +56,15 @@ def demo(ctx: typer.Context,
          home: Path = typer.Option(Path(".kvflow"), help="where the demo's pools live (removed after each run)"),
          out: Optional[Path] = typer.Option(None, help="output folder (default runs/demo-TIME)"),
          as_json: bool = typer.Option(False, "--json", help="print the results as JSON")) -> None:
-    """The engine on its embedded defaults: a multi-round chat with recompute and cacheflow under memory pressure."""
+    """The engine on a real model: a multi-user, multi-turn chat with recompute and cacheflow under memory pressure."""
     if ctx.invoked_subcommand is not None:
         return
     from kvflow.cli.model_cmds import progress_bar
     from kvflow.demo.chat import ChatWorkload
     from kvflow.demo.job import DemoOptions, demo_job, print_job
 
-    w = ChatWorkload("chat", users, rounds, rate, system_tokens, user_tokens, answer_tokens, think, seed=seed)
+    w = ChatWorkload("chat", users, rounds, rate, system_tokens, user_tokens, answer_tokens, think, seed=seed,
+                     text=text)
     job = demo_job(DemoOptions(w, model, kv_share, repeats, check, home, out), cost_for=ensure_cost,
                    progress_bar=progress_bar)
     if as_json:

