@@ -40,19 +40,6 @@ def proc_status_bytes(field: str, pid: int | str = "self") -> int:
     raise OSError(f"/proc/{pid}/status has no {field}")
 
 
-def available_memory() -> int:
-    """Bytes the kernel could hand out now without swapping (``MemAvailable`` of /proc/meminfo); 0 when it does not
-    say (not Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def rss_bytes(pid: int | str = "self") -> int:
     """Resident set size of a process (Linux /proc); 0 when /proc does not say."""
     try:

@@ -237,8 +237,8 @@ def test_an_auto_kv_budget_is_a_share_of_free_memory_capped_at_what_the_engine_c
 
 
 def test_an_engine_with_an_auto_budget_sizes_its_blocks_from_free_memory(tiny, monkeypatch):
-    import kvflow.stats
-    monkeypatch.setattr(kvflow.stats, "available_memory", lambda: 64 * 2**20)
+    import kvflow.model.runner
+    monkeypatch.setattr(kvflow.model.runner, "free_memory", lambda device: 64 * 2**20)
     cfg = EngineConfig(kv_budget="auto", max_model_len=4096)
     cfg.validate()
     engine = LLMEngine(tiny, cfg)

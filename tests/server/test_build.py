@@ -104,7 +104,7 @@ def test_the_default_pool_is_sized_to_the_model_within_bounds_and_an_existing_fi
 
 
 def test_a_server_config_without_a_kv_budget_sizes_it_to_free_memory(monkeypatch):
-    import kvflow.stats
-    monkeypatch.setattr(kvflow.stats, "available_memory", lambda: 64 * 2**20)
+    import kvflow.model.runner
+    monkeypatch.setattr(kvflow.model.runner, "free_memory", lambda device: 64 * 2**20)
     engine, _ = build_engine("tiny", {"engine": {"max_num_batched_tokens": 64, "max_model_len": 4096}})
     assert engine.kv_sizing is not None and engine.kv_sizing.available == 64 * 2**20

@@ -110,7 +110,7 @@ def test_kvflow_serve_without_a_config_sizes_its_kv_and_keeps_a_pool_under_dot_k
 
     import uvicorn
 
-    import kvflow.stats
+    import kvflow.model.runner
     from kvflow.cli.serve_cmds import serve as serve_cmd
     from kvflow.model import catalog
     from kvflow.server import build
@@ -118,7 +118,7 @@ def test_kvflow_serve_without_a_config_sizes_its_kv_and_keeps_a_pool_under_dot_k
     assert inspect.signature(build.serve).parameters["model"].default == build.DEFAULT_MODEL == catalog.DEFAULT
     assert inspect.signature(serve_cmd).parameters["model"].default.default == catalog.DEFAULT   # bare kvflow serve
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(kvflow.stats, "available_memory", lambda: 2 * 2**30)     # auto KV: a share of 2 GiB
+    monkeypatch.setattr(kvflow.model.runner, "free_memory", lambda device: 2 * 2**30)     # auto KV: a share of 2 GiB
     built, served = [], []
     real = build.build_engine
     monkeypatch.setattr(build, "build_engine", lambda *a, **k: built.append(real(*a, **k)) or built[-1])

@@ -213,12 +213,11 @@ class KVSizing:
 def auto_kv_budget(runner, cfg, max_model_len: int, reserve: int, available: int | None = None) -> KVSizing:
     """``engine.kv_budget: auto`` for ``runner`` on this machine (see KVSizing); ConfigError when no block fits."""
     from kvflow.errors import ConfigError
-    from kvflow.stats import available_memory
+    from kvflow.model.runner import free_memory
 
     per_token = runner.shape.kv_bytes_per_token(runner.dtype)
     if available is None:
-        available = (torch.cuda.mem_get_info(runner.device)[0] if runner.device.type == "cuda"
-                     else available_memory())
+        available = free_memory(runner.device) or 0          # host: MemAvailable; CUDA: the device's free bytes
     usable = max(0, available - reserve)
     cap = max_model_len * cfg.max_num_seqs * per_token
     one = max_model_len * per_token
