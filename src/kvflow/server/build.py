@@ -22,6 +22,7 @@ import time
 
 from kvflow.config import read_file
 from kvflow.engine import EngineConfig, LLMEngine
+from kvflow.engine.config import AUTO       # "auto": sized to the model (KV budget, pool capacity)
 from kvflow.engine.tokenizer import load_tokenizer
 from kvflow.errors import ConfigError
 from kvflow.model import catalog
@@ -32,7 +33,6 @@ log = logging.getLogger("kvflow.server")
 DEFAULT_MODEL = catalog.DEFAULT  # the real model (model/catalog.py): smollm2-135m, converted once
 DEFAULT_HOME = ".kvflow"         # in the current directory
 DEFAULT_CHUNK_TOKENS = 64        # pool chunk: a chat history is reused in 64-token steps
-AUTO = "auto"
 POOL_CONTEXTS = 8                # the default pool holds this many of the model's full contexts (at most 32K tokens)...
 POOL_BOUNDS = (2**30, 8 * 2**30)  # ... within 1-8 GiB ...
 POOL_DISK_SHARE = 0.1            # ... and a tenth of the free disk at most
