@@ -49,6 +49,18 @@ async def client(app, **kw):
             yield c
 
 
+def fail_first_step(engine) -> None:
+    """The engine's next step raises (RuntimeError "boom"); every later step runs as usual."""
+    real, calls = engine.batch_runner.execute, {"n": 0}
+
+    def flaky(items):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return real(items)
+    engine.batch_runner.execute = flaky
+
+
 def run(coro):
     return asyncio.run(coro)
 

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvflow import KVPool, Restorer
 from tests.engine.helpers import break_sampling_of_seed, hf_greedy, ids, synthetic_cost
-from tests.server.helpers import MODEL, client, make_app, run, sse_events
+from tests.server.helpers import MODEL, client, fail_first_step, make_app, run, sse_events
 
 
 def completion(prompt, **kw):
@@ -121,15 +121,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(tiny):
 
 def test_an_engine_failure_answers_500_and_the_next_request_is_served(tiny):
     app, engine = make_app(tiny)
-    real = engine.batch_runner.execute
-    calls = {"n": 0}
-
-    def flaky(items):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("boom")
-        return real(items)
-    engine.batch_runner.execute = flaky
+    fail_first_step(engine)
 
     async def go():
         async with client(app) as c:

@@ -8,7 +8,7 @@ from kvflow.server import build_app
 from kvflow.server.build import check_served_name
 from kvflow.errors import ConfigError
 from tests.engine.helpers import hf_greedy, ids
-from tests.server.helpers import MODEL, client, make_app, run, sse_events
+from tests.server.helpers import MODEL, client, fail_first_step, make_app, run, sse_events
 
 
 def post(app, route: str, body: dict):
@@ -75,14 +75,7 @@ def test_a_chat_stream_sends_nothing_before_its_first_token(tiny):
     """The role chunk goes with the first token (as vLLM's does), so a client's TTFT is the server's: a request that
     fails before any token streams its error and no role chunk."""
     app, engine = make_app(tiny)
-    real, calls = engine.batch_runner.execute, {"n": 0}
-
-    def flaky(items):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("boom")
-        return real(items)
-    engine.batch_runner.execute = flaky
+    fail_first_step(engine)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
     failed = sse_events(post(app, "/v1/chat/completions", body).text)
     assert "error" in failed[0] and failed[-1] == "[DONE]"
