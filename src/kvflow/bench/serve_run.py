@@ -28,7 +28,8 @@ from kvflow.demo.chat import (ChatWorkload, draw_cdf, longest_history_tokens, me
                               records_json, result_row, run_chat, sessions, summarize, working_set_tokens)
 from kvflow.errors import KVFlowError
 
-TITLES = {"chat": "multi-round chat", "docqa": "long-document QA", "agent": "agent pipeline"}
+TITLES = {"chat": "multi-round chat", "docqa": "long-document QA", "agent": "agent pipeline",
+          "longfirst": "long first turns, short follow-ups", "prefix": "prefix repetition", "random": "random prompts"}
 
 
 @dataclass(slots=True)
@@ -93,15 +94,7 @@ def serve_run(o: ServeRunOptions, cost_for: Callable, note: Callable[[str], None
     w = o.workload
     token_ids = o.token_ids
     if o.peer is not None:
-        from kvflow.integrations.vllm_server import PEERS
-        if o.peer not in PEERS:
-            raise KVFlowError(f"unknown --peer {o.peer!r}: use {', '.join(PEERS)}")
-        if o.url is not None:
-            raise KVFlowError("--peer runs beside the local kvflow configurations, not with --url")
-        if not 0 < o.peer_timeout <= 86400:
-            raise KVFlowError(f"--peer-timeout must be in (0, 86400] seconds, got {o.peer_timeout:g}")
-        from kvflow.integrations.vllm_server import text_checkpoint
-        token_ids = token_ids or text_checkpoint(o.model) is None
+        token_ids = check_peer(o)
     if o.url is not None and token_ids:
         raise KVFlowError("--token-ids needs the local model's tokenizer, not --url")
     folder = out_dir("serve", o.out)
@@ -130,14 +123,118 @@ def serve_run(o: ServeRunOptions, cost_for: Callable, note: Callable[[str], None
     return ServeRun(folder, results, rows, title, footer)
 
 
+@dataclass(slots=True)
+class Prepared:
+    """What every round of one workload at one KV budget shares, on kvflow and the peer: the model (loaded here for
+    its shape and tokenizer), the workload sized in its tokens, the budget, the cost model and the recompute rate;
+    ``tokenizer`` is the client's (None: chat text to /v1/chat/completions)."""
+    runner: object
+    tokenizer: object
+    working_set_tokens: int
+    kv_tokens: int
+    kv_budget: int
+    cost: object
+    recompute_rate: float | None
+
+
+def load_for(o: ServeRunOptions, need_cost: bool, cost_for: Callable) -> tuple[object, object, object]:
+    """(runner, the model's tokenizer, the cost model or None), each computed on a thread of its own so that this
+    (the client's) thread keeps no OpenMP team beside the engine thread's: kvflow/threads.py."""
+    from kvflow import load_model
+    from kvflow.engine.tokenizer import load_tokenizer
+    from kvflow.threads import in_fresh_thread
+
+    runner = in_fresh_thread(load_model, o.model)
+    tokenizer = load_tokenizer(o.model, runner.config.vocab_size)
+    return runner, tokenizer, in_fresh_thread(cost_for, runner, 8192) if need_cost else None
+
+
+def prepare(o: ServeRunOptions, token_ids: bool, loaded: tuple, w: ChatWorkload | None = None) -> Prepared:
+    """``o``'s workload (or ``w``) sized for ``loaded`` (``load_for``): the KV budget is ``o.kv_share`` of its
+    working set, at least its longest sequence."""
+    from kvflow.threads import in_fresh_thread
+
+    runner, tokenizer, cost = loaded
+    sized = in_tokens(w or o.workload, tokenizer)
+    ws = working_set_tokens(sized)
+    kv_tokens = max(int(ws * o.kv_share), longest_history_tokens(sized) + sized.answer_tokens + o.block_size)
+    rate = None
+    if o.rho is not None:
+        from kvflow.bench.bound import recompute_rate
+        rate = in_fresh_thread(recompute_rate, runner, o.chunk_tokens)
+    return Prepared(runner, tokenizer if token_ids else None, ws, kv_tokens, kv_tokens * runner.kv_bytes_per_token(),
+                    cost, rate)
+
+
+def kvflow_round(o: ServeRunOptions, p: Prepared, w: ChatWorkload, strategy: str, policy: str | None) -> tuple:
+    """Workload ``w`` against a fresh kvflow server (a process of its own, an empty pool) of one configuration:
+    (records, summary, hit split with the engine's swap / restore counters)."""
+    from kvflow.server.process import ServerProcess, engine_for
+
+    build = partial(engine_for, o.model, 0, strategy=None if strategy == "resident" else strategy,
+                    scheduling_policy=policy, kv_budget=p.kv_budget, block_size=o.block_size,
+                    pool_bytes=4 * p.working_set_tokens * p.runner.kv_bytes_per_token() + (64 << 20),
+                    chunk_tokens=o.chunk_tokens, max_num_batched_tokens=o.max_batched, cost=p.cost,
+                    pool_dir=None if o.pool_dir is None else str(o.pool_dir), rho=o.rho,
+                    recompute_rate=p.recompute_rate)
+    with ServerProcess(build, o.model) as server:       # its own process: no GIL with this client
+        records, wall = asyncio.run(run_chat(server.url, o.model, w, tokenizer=p.tokenizer))
+    return records, summarize(records, wall), server.hit_split()
+
+
+def peer_round(vllm, o: ServeRunOptions, p: Prepared, w: ChatWorkload) -> tuple:
+    """Workload ``w`` against the running peer, its prefix cache emptied first: (records, summary, None)."""
+    if not vllm.reset_prefix_cache():
+        raise KVFlowError("the vLLM peer did not empty its prefix cache before a round")
+    records, wall = asyncio.run(run_chat(vllm.url, o.model, w, tokenizer=p.tokenizer))
+    return records, summarize(records, wall), None
+
+
+def start_peer(stack: contextlib.ExitStack, o: ServeRunOptions, p: Prepared, venv: Path, folder: Path,
+               note: Callable[[str], None]):
+    """The peer serving ``o.model`` at ``p``'s KV budget for the rest of ``stack`` (integrations/vllm_server.py);
+    returns (the server, its results.json entry)."""
+    from kvflow.integrations.vllm_server import running_peer, text_checkpoint
+    from kvflow.threads import in_fresh_thread
+
+    note(f"starting the {o.peer} peer from {venv} (log: {folder / 'vllm.log'}) ...")
+    vllm = in_fresh_thread(stack.enter_context,        # saving the checkpoint computes
+                           running_peer(o.peer, p.runner, o.model, p.kv_tokens, o.block_size, o.max_batched,
+                                        folder, venv, seed=o.seed, timeout_s=o.peer_timeout,
+                                        checkpoint=text_checkpoint(o.model)))
+    return vllm, {"name": o.peer, "venv": str(venv), "command": vllm.command(),
+                  "env": {k: v for k, v in vllm.env().items() if k.startswith("VLLM_")},
+                  "block_size": vllm.profile.peer_block_size, "num_blocks": vllm.profile.num_blocks,
+                  "kv_budget_tokens": vllm.profile.max_model_len}
+
+
+def peer_venv(o: ServeRunOptions, note: Callable[[str], None]) -> Path | None:
+    """The peer's venv, or None (noted) when vLLM is not installed."""
+    from kvflow.integrations.vllm_server import NOT_INSTALLED, vllm_venv
+
+    venv = vllm_venv(o.peer_venv)
+    if venv is None:
+        note(f"note: {NOT_INSTALLED}" + (f" (no vLLM in {o.peer_venv})" if o.peer_venv else ""))
+    return venv
+
+
+def check_peer(o: ServeRunOptions) -> bool:
+    """``o``'s peer options checked; True when prompts go as token ids (a random-weight preset: no tokenizer)."""
+    from kvflow.integrations.vllm_server import PEERS, text_checkpoint
+
+    if o.peer not in PEERS:
+        raise KVFlowError(f"unknown --peer {o.peer!r}: use {', '.join(PEERS)}")
+    if o.url is not None:
+        raise KVFlowError("--peer runs beside the local kvflow configurations, not with --url")
+    if not 0 < o.peer_timeout <= 86400:
+        raise KVFlowError(f"--peer-timeout must be in (0, 86400] seconds, got {o.peer_timeout:g}")
+    return o.token_ids or text_checkpoint(o.model) is None
+
+
 def _run_local(o: ServeRunOptions, token_ids: bool, folder: Path, results: dict, cost_for: Callable,
                note: Callable[[str], None]) -> tuple[dict, list[dict]]:
     """Each configuration in a kvflow server of its own (and the peer, if any), ``o.repeats`` rounds alternated;
     fills ``results``, returns (TTFT records per configuration, table rows)."""
-    from kvflow import load_model
-    from kvflow.server.process import ServerProcess, engine_for
-    from kvflow.threads import in_fresh_thread
-
     w, peer = o.workload, o.peer
     configs = parse_configs(o.configs)
     names = [c[0] for c in configs]
@@ -148,64 +245,25 @@ def _run_local(o: ServeRunOptions, token_ids: bool, folder: Path, results: dict,
     venv = None
     if peer is not None:
         from kvflow.integrations.vllm_server import NOT_INSTALLED
-        from kvflow.integrations.vllm_server import vllm_venv
-        venv = vllm_venv(o.peer_venv)
+        venv = peer_venv(o, note)
         if venv is None:
-            note(f"note: {NOT_INSTALLED}" + (f" (no vLLM in {o.peer_venv})" if o.peer_venv else ""))
             results["peer"] = {"name": peer, "skipped": NOT_INSTALLED}
-    # every set-up step that computes runs on a thread of its own, so that this (the client's) thread keeps no
-    # OpenMP team beside the engine thread's: kvflow/threads.py
-    from kvflow.engine.tokenizer import load_tokenizer
-    runner = in_fresh_thread(load_model, o.model)
-    tokenizer = load_tokenizer(o.model, runner.config.vocab_size)
-    cost = in_fresh_thread(cost_for, runner, 8192) if any(c[1] != "resident" for c in configs) else None
-    sized = in_tokens(w, tokenizer)
-    ws = working_set_tokens(sized)
-    kv_tokens = max(int(ws * o.kv_share), longest_history_tokens(sized) + w.answer_tokens + o.block_size)
-    kv_budget = kv_tokens * runner.kv_bytes_per_token()
-    rate = None
-    if o.rho is not None:
-        from kvflow.bench.bound import recompute_rate
-        rate = in_fresh_thread(recompute_rate, runner, o.chunk_tokens)
-    results.update(model=o.model, working_set_tokens=ws, kv_budget_tokens=kv_tokens, rho=o.rho,
+    p = prepare(o, token_ids, load_for(o, any(c[1] != "resident" for c in configs), cost_for))
+    results.update(model=o.model, working_set_tokens=p.working_set_tokens, kv_budget_tokens=p.kv_tokens, rho=o.rho,
                    prompts="token ids to /v1/completions" if token_ids else "chat text to /v1/chat/completions",
-                   recompute_rate_bytes_per_s=rate,
+                   recompute_rate_bytes_per_s=p.recompute_rate,
                    pool="memory" if o.pool_dir is None else f"extent file under {o.pool_dir}")
-    if not token_ids:
-        tokenizer = None                          # run_chat: chat text; with a tokenizer, token ids
     rounds_of = {name: [] for name in names}
     with contextlib.ExitStack() as stack:         # the peer, if any, is stopped whatever happens
         vllm = None
         if venv is not None:
-            from kvflow.integrations.vllm_server import running_peer, text_checkpoint
-            note(f"starting the {peer} peer from {venv} (log: {folder / 'vllm.log'}) ...")
-            vllm = in_fresh_thread(stack.enter_context,        # saving the checkpoint computes
-                                   running_peer(peer, runner, o.model, kv_tokens, o.block_size, o.max_batched,
-                                                folder, venv, seed=o.seed, timeout_s=o.peer_timeout,
-                                                checkpoint=text_checkpoint(o.model)))
+            vllm, results["peer"] = start_peer(stack, o, p, venv, folder, note)
             rounds_of[peer] = []
-            results["peer"] = {"name": peer, "venv": str(venv), "command": vllm.command(),
-                               "env": {k: v for k, v in vllm.env().items() if k.startswith("VLLM_")},
-                               "block_size": vllm.profile.peer_block_size,
-                               "num_blocks": vllm.profile.num_blocks,
-                               "kv_budget_tokens": vllm.profile.max_model_len}
         for _ in range(o.repeats):                # configurations alternate: a shared machine drifts
             for name, strategy, policy in configs:
-                build = partial(engine_for, o.model, 0, strategy=None if strategy == "resident" else strategy,
-                                scheduling_policy=policy,
-                                kv_budget=kv_budget, block_size=o.block_size,
-                                pool_bytes=4 * ws * runner.kv_bytes_per_token() + (64 << 20),
-                                chunk_tokens=o.chunk_tokens, max_num_batched_tokens=o.max_batched, cost=cost,
-                                pool_dir=None if o.pool_dir is None else str(o.pool_dir), rho=o.rho,
-                                recompute_rate=rate)
-                with ServerProcess(build, o.model) as server:       # its own process: no GIL with this client
-                    records, wall = asyncio.run(run_chat(server.url, o.model, w, tokenizer=tokenizer))
-                rounds_of[name].append((records, summarize(records, wall), server.hit_split()))
+                rounds_of[name].append(kvflow_round(o, p, w, strategy, policy))
             if vllm is not None:                  # right after, same workload and seed, its cache emptied
-                if not vllm.reset_prefix_cache():
-                    raise KVFlowError("the vLLM peer did not empty its prefix cache before a round")
-                records, wall = asyncio.run(run_chat(vllm.url, o.model, w, tokenizer=tokenizer))
-                rounds_of[peer].append((records, summarize(records, wall), None))
+                rounds_of[peer].append(peer_round(vllm, o, p, w))
     runs, rows = {}, []
     for name, rounds_ in rounds_of.items():
         summary = median_summary([r[1] for r in rounds_])
@@ -215,7 +273,7 @@ def _run_local(o: ServeRunOptions, token_ids: bool, folder: Path, results: dict,
         results["runs"][name] = {"summary": summary, "hit_split": split,
                                  "rounds": [{"summary": r[1], "hit_split": r[2]} for r in rounds_],
                                  "turns": records_json(rounds_[-1][0])}
-        if tokenizer is not None:
+        if p.tokenizer is not None:
             results["runs"][name]["prompts_digest"] = [prompts_digest(r[0]) for r in rounds_]
     if peer in rounds_of:
         _compare_with_peer(results, rounds_of, names, peer)
@@ -234,7 +292,7 @@ def in_tokens(w: ChatWorkload, tokenizer) -> ChatWorkload:
         return max(1, math.ceil(n * rate))
     return dataclasses.replace(w, system_tokens=scale(w.system_tokens), user_tokens=scale(w.user_tokens),
                                doc_tokens_min=scale(w.doc_tokens_min), doc_tokens_max=scale(w.doc_tokens_max),
-                               tool_tokens=scale(w.tool_tokens))
+                               tool_tokens=scale(w.tool_tokens), first_tokens=scale(w.first_tokens))
 
 
 def _compare_with_peer(results: dict, rounds_of: dict, names: list[str], peer: str) -> None:

@@ -13,6 +13,14 @@ DESIGN.md §1; the parameters are ours, scaled to a 2-core CPU and all options:
            arriving as a Poisson process: reuse is the document prefix
     agent  ONE long system prompt shared by every user, a task (user_tokens) then ``rounds - 1`` tool outputs of
            ~LogNormal(ln tool_tokens, 0.5) tokens, each answered: a shared prefix plus growing private histories
+    longfirst  users arriving at a FIXED spacing of 1/rate s (rate 2: 0.5 s apart), each with a long first turn
+           (first_tokens) and ``rounds - 1`` short follow-ups of ~Uniform[0.75, 1.25] x user_tokens, think time as
+           chat: the issue-32 shape where short requests on a cached history must not wait for others' long prefills
+    prefix vLLM's prefix_repetition shape: ``docs`` shared prefixes of system_tokens (as the system prompt), each
+           sent ``rounds`` times with a different suffix of user_tokens, in a seeded shuffled order, independent
+           requests arriving as a Poisson process: reuse is the prefix
+    random ``users`` independent one-turn prompts of ~LogNormal(ln user_tokens, 0.5) tokens, Poisson arrivals: no
+           reuse at all (what a cache costs when nothing hits)
 
 Text (``text``): ``random`` fills every turn with random lowercase words of the lengths above (with the byte-level
 tokenizer of the random-weight presets one character is one token); ``written`` (chat only) gives user u the
@@ -38,7 +46,7 @@ import numpy as np
 
 from kvflow.stats import percentile
 
-WORKLOADS = ("chat", "docqa", "agent")
+WORKLOADS = ("chat", "docqa", "agent", "longfirst", "prefix", "random")
 TEXTS = ("random", "written")
 
 
@@ -52,19 +60,22 @@ CHAT_SHAPE = dict(rounds=12, system_tokens=1024, user_tokens=128, answer_tokens=
 
 @dataclass(slots=True)
 class ChatWorkload:
-    """One of three workloads (module docstring); fields a workload does not use are ignored by it."""
+    """One of the workloads (module docstring); fields a workload does not use are ignored by it."""
     kind: str = "chat"
-    users: int = 8                  # chat / agent: conversations; docqa: concurrent question streams
-    rounds: int = 4                 # chat: turns per user; agent: tool steps per user; docqa: questions per doc
-    rate: float = 2.0               # sessions arriving per second (Poisson)
-    system_tokens: int = 256        # chat: per-user system prompt; agent: ONE system prompt shared by all users
-    user_tokens: int = 64           # a user turn / question / agent task
+    users: int = 8                  # chat / agent / longfirst: conversations; random: requests
+    rounds: int = 4                 # chat / longfirst: turns per user; agent: tool steps per user; docqa: questions
+                                    # per doc; prefix: requests per prefix
+    rate: float = 2.0               # sessions arriving per second (Poisson; longfirst: evenly spaced)
+    system_tokens: int = 256        # chat: per-user system prompt; agent: ONE system prompt shared by all users;
+                                    # prefix: each shared prefix
+    user_tokens: int = 64           # a user turn / question / agent task / follow-up / suffix / random prompt
     answer_tokens: int = 16
     think_s: float = 0.5
-    docs: int = 4                   # docqa: documents
+    docs: int = 4                   # docqa: documents; prefix: shared prefixes
     doc_tokens_min: int = 1024      # docqa: document length ~ Uniform[min, max]
     doc_tokens_max: int = 4096
     tool_tokens: int = 128          # agent: tool output per step ~ LogNormal(ln tool_tokens, 0.5)
+    first_tokens: int = 4096        # longfirst: the long first turn
     seed: int = 0
     text: str = "random"            # "written": chat turns from demo/texts.py (module docstring)
 
@@ -89,10 +100,10 @@ class ChatWorkload:
         if self.text not in TEXTS or (self.text == "written" and self.kind != "chat"):
             raise KVFlowError(f"unknown text {self.text!r}: use random, or written with the chat workload")
         if min(self.users, self.rounds, self.system_tokens, self.user_tokens, self.answer_tokens, self.docs,
-               self.doc_tokens_min, self.tool_tokens) < 1:
+               self.doc_tokens_min, self.tool_tokens, self.first_tokens) < 1:
             raise KVFlowError("users, rounds, docs and every token count must be >= 1")
         if max(self.users, self.rounds, self.system_tokens, self.user_tokens, self.answer_tokens, self.docs,
-               self.doc_tokens_max, self.tool_tokens) > 10**7:
+               self.doc_tokens_max, self.tool_tokens, self.first_tokens) > 10**7:
             raise KVFlowError("users, rounds, docs and every token count must be at most 10,000,000")
         if self.doc_tokens_max < self.doc_tokens_min:
             raise KVFlowError("doc_tokens_max must be >= doc_tokens_min")
@@ -149,6 +160,11 @@ def _arrivals(rng: random.Random, n: int, rate: float) -> list[float]:
     return out
 
 
+def _around(n: int) -> tuple[int, int]:
+    """longfirst's follow-up lengths: Uniform[0.75, 1.25] x n."""
+    return max(1, (3 * n) // 4), max(1, (5 * n + 3) // 4)
+
+
 def sessions(w: ChatWorkload) -> list[Session]:
     """The seeded sessions of workload ``w``."""
     rng = random.Random(w.seed)
@@ -178,6 +194,24 @@ def sessions(w: ChatWorkload) -> list[Session]:
                       for _ in range(w.rounds - 1)]
             out.append(Session(t, shared, turns))
         return out
+    if w.kind == "longfirst":
+        out = []
+        for u in range(w.users):
+            r = random.Random(w.seed * 1000 + u)
+            turns = [("user", _text(r, w.first_tokens), think(r))]
+            turns += [("user", _text(r, r.randint(*_around(w.user_tokens))), think(r)) for _ in range(w.rounds - 1)]
+            out.append(Session(u / w.rate, None, turns))
+        return out
+    if w.kind == "prefix":
+        prefixes = [_text(random.Random(w.seed * 7919 + p), w.system_tokens) for p in range(w.docs)]
+        asks = [(p, k) for p in range(w.docs) for k in range(w.rounds)]
+        rng.shuffle(asks)
+        times = _arrivals(rng, len(asks), w.rate)
+        return [Session(t, prefixes[p], [("user", _text(random.Random(w.seed * 131 + p * 97 + k), w.user_tokens),
+                                          0.0)], keep_history=False, first_round=k) for t, (p, k) in zip(times, asks)]
+    if w.kind == "random":
+        return [Session(t, None, [("user", _text(r, _lognormal(r, w.user_tokens)), 0.0)], keep_history=False)
+                for u, t in enumerate(_arrivals(rng, w.users, w.rate)) for r in [random.Random(w.seed * 1000 + u)]]
     docs = [_text(random.Random(w.seed * 31 + d), random.Random(w.seed * 37 + d).randint(w.doc_tokens_min,
                                                                                          w.doc_tokens_max))
             for d in range(w.docs)]
@@ -343,6 +377,12 @@ def working_set_tokens(w: ChatWorkload, tokenizer=None) -> int:
     if w.kind == "agent":
         return w.system_tokens + w.users * (w.user_tokens + (w.rounds - 1) * (w.tool_tokens + 32)
                                             + w.rounds * (w.answer_tokens + 32))
+    if w.kind == "longfirst":
+        return w.users * (w.first_tokens + (w.rounds - 1) * w.user_tokens + w.rounds * (w.answer_tokens + 32) + 64)
+    if w.kind == "prefix":
+        return w.docs * w.system_tokens + w.docs * w.rounds * (w.user_tokens + 32)
+    if w.kind == "random":
+        return w.users * (w.user_tokens + w.user_tokens // 8 + 32)        # a LogNormal(ln m, 0.5)'s mean: 1.13 m
     return w.users * (w.system_tokens + w.rounds * (w.user_tokens + w.answer_tokens) + 64)
 
 
@@ -357,6 +397,13 @@ def longest_history_tokens(w: ChatWorkload, tokenizer=None) -> int:
     if w.kind == "agent":
         return (w.system_tokens + 4 * w.user_tokens + (w.rounds - 1) * (4 * w.tool_tokens + 64)
                 + w.rounds * (w.answer_tokens + 64) + 64)
+    if w.kind == "longfirst":
+        return (w.first_tokens + (w.rounds - 1) * (_around(w.user_tokens)[1] + 64) + w.rounds * (w.answer_tokens + 64)
+                + 64)
+    if w.kind == "prefix":
+        return w.system_tokens + w.user_tokens + 128
+    if w.kind == "random":
+        return 4 * w.user_tokens + 96
     return w.system_tokens + w.rounds * (4 * w.user_tokens + w.answer_tokens + 64) + 64
 
 
