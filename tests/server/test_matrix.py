@@ -1,0 +1,99 @@
+"""The workload matrix's pieces that need no server: the generators' seeded determinism and reuse structure, the
+cell verdict against issue 32's goals, the plan and its bad names (`kvflow bench matrix` itself needs vLLM)."""
+
+import math
+
+import pytest
+
+from kvflow.bench.matrix import QUICK, SHAPES, MatrixOptions, estimate_s, plan, reason, verdict
+from kvflow.cli.main import main
+from kvflow.demo.chat import ChatWorkload, longest_history_tokens, sessions, working_set_tokens
+
+
+def _prompts(kind: str, seed: int = 0, **kw) -> list:
+    return sessions(ChatWorkload.of(kind, seed=seed, **kw))
+
+
+@pytest.mark.parametrize("kind", ["longfirst", "prefix", "random", "chat", "docqa", "agent"])
+def test_every_workload_is_the_same_for_a_seed_and_another_for_another_seed(kind):
+    assert _prompts(kind, 1) == _prompts(kind, 1)
+    assert _prompts(kind, 1) != _prompts(kind, 2)
+
+
+def test_longfirst_sends_one_long_first_turn_then_short_follow_ups_evenly_spaced():
+    ss = _prompts("longfirst", users=4, rounds=3, first_tokens=4096, user_tokens=100, rate=2.0)
+    assert [s.arrival_s for s in ss] == [0.0, 0.5, 1.0, 1.5]                    # 0.5 s apart, as the issue's
+    for s in ss:
+        assert s.keep_history and s.system is None                               # each follow-up extends its history
+        assert len(s.turns[0][1]) >= 4095 and all(74 <= len(c) <= 125 for _, c, _ in s.turns[1:])
+    assert len({s.turns[0][1] for s in ss}) == 4                                 # users share nothing
+
+
+def test_prefix_repeats_a_few_shared_prefixes_each_with_its_own_suffixes():
+    ss = _prompts("prefix", docs=3, rounds=4, system_tokens=300, user_tokens=40)
+    assert len(ss) == 12 and not any(s.keep_history for s in ss)
+    assert len({s.system for s in ss}) == 3 and all(299 <= len(s.system) <= 300 for s in ss)
+    assert len({s.turns[0][1] for s in ss}) == 12                                # every suffix differs
+    for prefix in {s.system for s in ss}:                                        # the first use of each is round 0
+        assert sorted(s.first_round for s in ss if s.system == prefix) == [0, 1, 2, 3]
+    assert [s.arrival_s for s in ss] == sorted(s.arrival_s for s in ss)
+
+
+def test_random_prompts_share_no_prefix():
+    ss = _prompts("random", users=20, user_tokens=64)
+    texts = [s.turns[0][1] for s in ss]
+    assert len(ss) == 20 and all(s.system is None and len(s.turns) == 1 for s in ss)
+    assert len({t[:8] for t in texts}) == 20                                     # not even a first word in common
+
+
+@pytest.mark.parametrize("kind", ["longfirst", "prefix", "random"])
+def test_the_longest_sequence_bound_holds_and_fits_in_the_working_set(kind):
+    w = ChatWorkload.of(kind, **SHAPES[kind].params, seed=5)
+    longest = max(sum(len(c) + 16 for _, c, _ in s.turns) + len(s.system or "") for s in sessions(w))
+    assert longest <= longest_history_tokens(w) <= working_set_tokens(w)
+
+
+def _ratios(p99: float, mean: float, tok_s: float) -> dict:
+    return {"ttft_p99_s": p99, "ttft_mean_s": mean, "output_tok_s": tok_s}
+
+
+def test_a_cell_meets_its_goals_only_within_every_bound():
+    assert verdict("random", "all", _ratios(1.0, 1.0, 0.9)).met
+    assert verdict("chat", "all", _ratios(0.5, 0.9, 1.2)).met
+    missed = verdict("chat", "all", _ratios(1.01, 0.8, 0.89))
+    assert not missed.met and len(missed.misses) == 2 and "P99" in missed.misses[0]
+    assert not verdict("docqa", "all", _ratios(math.nan, 0.5, 1.0)).met           # a server failed everything
+
+
+def test_reused_histories_at_the_quarter_budget_need_p99_at_most_0_3x():
+    assert not verdict("longfirst", "quarter", _ratios(0.31, 0.5, 1.0)).met
+    assert verdict("longfirst", "quarter", _ratios(0.3, 0.5, 1.0)).met
+    assert verdict("random", "quarter", _ratios(0.9, 0.9, 1.0)).met                # nothing reused: 1.0x
+    assert verdict("prefix", "all", _ratios(0.9, 0.9, 1.0)).met                     # everything resident: 1.0x
+
+
+def test_a_missed_cell_names_its_measured_differences():
+    diag = {"kvflow_cached": 0.3, "vllm_cached": 0.6, "itl_p50_ratio": 2.0, "kvflow_itl_p50_ms": 120.0,
+            "vllm_itl_p50_ms": 60.0, "swaps": 0, "preemptions": 2, "kvflow_errors": 0, "vllm_errors": 0}
+    text = reason(diag)
+    assert "cached 0.30 vs 0.60" in text and "120 vs 60 ms" in text and "preemptions 2" in text
+    same = reason({**diag, "kvflow_cached": 0.6, "itl_p50_ratio": 1.0, "preemptions": 0})
+    assert "scheduling" in same
+
+
+def test_the_plan_groups_cells_by_workload_and_budget_and_quick_is_small():
+    cells = plan(MatrixOptions(workloads=("longfirst", "random"), budgets=("quarter",)))
+    assert [(c.workload, c.budget, c.level) for c in cells] == [
+        ("longfirst", "quarter", "light"), ("longfirst", "quarter", "saturated"),
+        ("random", "quarter", "light"), ("random", "quarter", "saturated")]
+    quick = plan(MatrixOptions(quick=True))
+    assert {c.workload for c in quick} == set(QUICK) and {c.budget for c in quick} == {"quarter"}
+    assert estimate_s(MatrixOptions(quick=True), quick, 0.55) < estimate_s(MatrixOptions(), plan(MatrixOptions()),
+                                                                            0.55)
+
+
+@pytest.mark.parametrize("args", [["--workloads", "poetry"], ["--budgets", "half"], ["--rates", "fast"],
+                                  ["--quick", "--workloads", "chat"]])
+def test_bad_matrix_options_are_one_line_and_exit_2(args, capsys):
+    assert main(["bench", "matrix", *args]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
