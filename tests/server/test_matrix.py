@@ -74,11 +74,13 @@ def test_reused_histories_at_the_quarter_budget_need_p99_at_most_0_3x():
 
 def test_a_missed_cell_names_its_measured_differences():
     diag = {"kvflow_cached": 0.3, "vllm_cached": 0.6, "itl_p50_ratio": 2.0, "kvflow_itl_p50_ms": 120.0,
-            "vllm_itl_p50_ms": 60.0, "swaps": 0, "preemptions": 2, "kvflow_errors": 0, "vllm_errors": 0}
+            "vllm_itl_p50_ms": 60.0, "restores": 3, "swaps": 0, "preemptions": 2, "kvflow_errors": 0,
+            "vllm_errors": 0}
     text = reason(diag)
-    assert "cached 0.30 vs 0.60" in text and "120 vs 60 ms" in text and "preemptions 2" in text
-    same = reason({**diag, "kvflow_cached": 0.6, "itl_p50_ratio": 1.0, "preemptions": 0})
-    assert "scheduling" in same
+    assert "less reuse: cached 0.30 vs 0.60" in text and "slower steps: ITL P50 120 vs 60 ms" in text
+    assert "restores 3, swaps 0, preemptions 2" in text and "queueing" not in text
+    same = reason({**diag, "kvflow_cached": 0.6, "itl_p50_ratio": 1.0, "kvflow_itl_p50_ms": 60.0})
+    assert same.startswith("same reuse and step speed: queueing") and "less reuse" not in same
 
 
 def test_the_plan_groups_cells_by_workload_and_budget_and_quick_is_small():

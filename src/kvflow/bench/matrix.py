@@ -114,18 +114,19 @@ def verdict(workload: str, budget: str, ratios: dict, goals: Goals = Goals()) ->
 
 
 def reason(diag: dict) -> str:
-    """What the measurements of a cell say differs between the servers (``diag``: ``diagnostics``' dict)."""
-    out = []
+    """What the measurements of a cell say (``diag``: ``diagnostics``' dict): the cached prompt shares, step speed
+    (ITL P50) and kvflow's pool traffic, each flagged where it differs; neither flagged: queueing (scheduling)."""
+    less_reuse = diag["kvflow_cached"] < diag["vllm_cached"] - 0.05
+    slower = diag["itl_p50_ratio"] > 1.2
+    out = [f"{'less reuse: ' if less_reuse else ''}cached {diag['kvflow_cached']:.2f} vs {diag['vllm_cached']:.2f}",
+           f"{'slower steps: ' if slower else ''}ITL P50 {diag['kvflow_itl_p50_ms']:.0f} vs "
+           f"{diag['vllm_itl_p50_ms']:.0f} ms",
+           f"restores {diag['restores']}, swaps {diag['swaps']}, preemptions {diag['preemptions']}"]
     if diag["kvflow_errors"] or diag["vllm_errors"]:
-        out.append(f"errors {diag['kvflow_errors']}/{diag['vllm_errors']}")
-    if diag["kvflow_cached"] < diag["vllm_cached"] - 0.05:
-        out.append(f"less reuse: cached {diag['kvflow_cached']:.2f} vs {diag['vllm_cached']:.2f}")
-    if diag["itl_p50_ratio"] > 1.2:
-        out.append(f"slower steps: ITL P50 {diag['kvflow_itl_p50_ms']:.0f} vs {diag['vllm_itl_p50_ms']:.0f} ms")
-    if diag["swaps"] or diag["preemptions"]:
-        out.append(f"swaps {diag['swaps']}, preemptions {diag['preemptions']}")
-    return "; ".join(out) or (f"same reuse ({diag['kvflow_cached']:.2f} vs {diag['vllm_cached']:.2f}) and step "
-                              f"speed (ITL P50 {diag['itl_p50_ratio']:.2f}x): scheduling/queueing")
+        out.insert(0, f"errors {diag['kvflow_errors']} vs {diag['vllm_errors']}")
+    if not (less_reuse or slower or diag["kvflow_errors"]):
+        out.insert(0, "same reuse and step speed: queueing")
+    return "; ".join(out)
 
 
 def diagnostics(kv: dict, vl: dict, split: dict | None) -> dict:
@@ -230,18 +231,23 @@ class Cell:
     turns: dict = field(default_factory=dict)
 
     def row(self) -> dict:
+        """The table's row: each pair is kvflow/vLLM (TTFT and ITL in ms), then the ratios and the verdict."""
         k, v, r = self.kvflow, self.vllm, self.ratios
 
         def pair(key: str, scale: float = 1e3, f: str = ".0f") -> str:
-            return f"{k[key] * scale:{f}} / {v[key] * scale:{f}}"
+            return f"{k[key] * scale:{f}}/{v[key] * scale:{f}}"
         return {"workload": self.plan.workload, "budget": self.plan.budget,
-                "rate": f"{self.plan.level} {self.plan.rate:g}/s",
-                "P50 ms kv/vLLM": pair("ttft_p50_s"), "P99 ms kv/vLLM": pair("ttft_p99_s"),
-                "mean ms kv/vLLM": pair("ttft_mean_s"), "ITL P99 ms": pair("itl_p99_s"),
-                "tok/s": pair("output_tok_s", 1.0, ".1f"),
+                "rate": f"{self.plan.level[:3]} {self.plan.rate:g}/s", "kv": f"{self.kv_tokens:,}",
+                "P50": pair("ttft_p50_s"), "P99": pair("ttft_p99_s"), "mean": pair("ttft_mean_s"),
+                "ITL P99": pair("itl_p99_s"), "tok/s": pair("output_tok_s", 1.0, ".1f"),
                 "P99 ÷": r["ttft_p99_s"], "mean ÷": r["ttft_mean_s"], "tok/s ÷": r["output_tok_s"],
-                "goal": "met" if self.verdict.met else "MISSED",
-                "reason": "" if self.verdict.met else reason(self.diagnostics)}
+                "goal": "met" if self.verdict.met else "MISSED"}
+
+    def why(self) -> dict:
+        """A missed cell's row in the second table: what missed and what the measurements say."""
+        return {"workload": self.plan.workload, "budget": self.plan.budget,
+                "rate": f"{self.plan.level[:3]} {self.plan.rate:g}/s", "missed": "; ".join(self.verdict.misses),
+                "measured": reason(self.diagnostics)}
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self.plan), "kv_budget_tokens": self.kv_tokens,
@@ -332,8 +338,13 @@ def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None]
     save_figure(folder / "matrix.png", draw_heatmap(cells), panels=2, size=(5.5, 0.5 + 0.45 * len(groups) + 1.5))
     footer = (f"{results['goals_met']}/{len(cells)} cells meet issue 32's goals; {wall / 60:.1f} min (estimated "
               f"{est / 60:.0f}); results in {folder} (results.json, matrix.png, logs/)")
-    return BenchRun(results, folder, [(f"workload matrix: kvflow vs vLLM on {o.model}",
-                                       [c.row() for c in cells])], footer)
+    tables = [(f"workload matrix on {o.model}: kvflow/vLLM (TTFT, ITL: ms; kv: KV budget tokens)",
+               [c.row() for c in cells])]
+    missed = [c.why() for c in cells if not c.verdict.met]
+    if missed:
+        tables.append(("missed cells: cached prompt shares kvflow vs vLLM, kvflow's swaps / preemptions, ITL P50s",
+                       missed))
+    return BenchRun(results, folder, tables, footer)
 
 
 def draw_heatmap(cells: list[Cell]):
