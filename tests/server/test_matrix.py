@@ -1,6 +1,7 @@
 """The workload matrix's pieces that need no server: the generators' seeded determinism and reuse structure, the
 cell verdict against issue 32's goals, the plan and its bad names (`kvflow bench matrix` itself needs vLLM)."""
 
+import json
 import math
 
 import pytest
@@ -99,3 +100,12 @@ def test_the_plan_groups_cells_by_workload_and_budget_and_quick_is_small():
 def test_bad_matrix_options_are_one_line_and_exit_2(args, capsys):
     assert main(["bench", "matrix", *args]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("workload", ["longfirst", "prefix", "random"])
+def test_the_new_workloads_run_through_bench_serve_end_to_end(workload, tmp_path):
+    assert main(["bench", "serve", "--configs", "resident", "--workload", workload, "--users", "2", "--rounds", "2",
+                 "--docs", "2", "--rate", "50", "--first-tokens", "64", "--system-tokens", "32", "--user-tokens",
+                 "8", "--answer-tokens", "2", "--think", "0", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "results.json").read_text())["runs"]["resident"]["summary"]
+    assert summary["errors"] == 0 and summary["requests"] == {"longfirst": 4, "prefix": 4, "random": 2}[workload]
