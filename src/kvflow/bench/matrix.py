@@ -286,7 +286,7 @@ def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None]
     per_char = 1.0 if tokenizer.kind == "bytes" else len(tokenizer.encode(text, special=False)) / max(1, len(text))
     est = estimate_s(o, cells_planned, per_char)
     groups = list(dict.fromkeys((c.workload, c.budget) for c in cells_planned))
-    note(f"bench matrix: {len(cells_planned)} cells in {len(groups)} (workload, budget) groups on {o.model}, "
+    note(f"bench matrix: {len(cells_planned)} cell(s) in {len(groups)} (workload, budget) group(s) on {o.model}, "
          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; estimated {est / 60:.0f} min "
          f"(results in {folder})")
     t_start, cells, group_info = time.perf_counter(), [], []
