@@ -500,3 +500,48 @@ def jsonable(data):
 __all__ = ["BASELINES", "STRATEGIES", "Bench", "make_bench", "measure", "sweep_rho", "sweep_length", "crossover",
            "speedups", "measure_batch", "batch_lengths", "plot_rho", "plot_lengths", "plot_batch", "jsonable",
            "public"]
+
+
+# ------------------------------------------------------------------------------------------ planning at length
+def planning_at_length(runner: ModelRunner, cost: CostModel, lengths, *, rho: float = 1.0, query_len: int = 32,
+                       chunk_tokens: int = 256, batch: tuple[int, int] = (8, 32768), repeats: int = 3) -> dict:
+    """Planning time of every strategy against the TTFT it plans, from the cost model alone (no compute, no pool):
+    the link at rho x the KV bytes/s of recomputing each context as the model predicts it (rho's "context" basis);
+    and the batch scheduler on ``batch`` = (requests, tokens each). Times are the fastest of ``repeats``."""
+    from kvflow.chunks.record import HEADER_SIZE
+    from kvflow.planner import IOModel, Planner, Request
+    from kvflow.planner.batch import plan_batch
+
+    L, C = runner.num_layers, chunk_tokens
+    cell = C * runner.shape.kv_bytes_per_token_layer("float32") + HEADER_SIZE
+
+    def planner_for(n: int) -> Planner:
+        free = Planner(cost, IOModel(float("inf"), cell), L, C)
+        recompute = free.plan("recompute", Request(n, query_len, n // C)).predicted.ttft_s
+        return Planner(cost, IOModel(rho * n * runner.kv_bytes_per_token() / recompute, cell), L, C)
+
+    def timed(fn):
+        best, out = float("inf"), None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = fn()
+            best = min(best, time.perf_counter() - t0)
+        return best, out
+
+    points = []
+    for n in lengths:
+        planner, req = planner_for(n), Request(n, query_len, n // C)
+        rows = []
+        for s in STRATEGIES:
+            plan_s, plan = timed(lambda: planner.plan(s, req))
+            rows.append({"strategy": s, "plan_s": plan_s, "predicted_ttft_s": plan.predicted.ttft_s,
+                         "share_of_ttft": plan_s / plan.predicted.ttft_s, "plan": plan.describe()})
+        points.append({"context": n, "cells": (n // C) * L, "rows": rows})
+    size, n = batch
+    planner = planner_for(n)
+    reqs = [Request(n, query_len, n // C) for _ in range(size)]
+    plan_s, bp = timed(lambda: plan_batch(planner, reqs))
+    return {"rho": rho, "lengths": points,
+            "batch": {"requests": size, "context": n, "plan_s": plan_s, "first_ttft_s": min(bp.predicted_ttft),
+                      "mean_ttft_s": statistics.mean(bp.predicted_ttft),
+                      "share_of_first_ttft": plan_s / min(bp.predicted_ttft)}}

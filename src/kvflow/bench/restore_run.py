@@ -38,6 +38,7 @@ class RestoreRunOptions:
     strategies: list[str] = field(default_factory=list)   # empty: every strategy
     rho_basis: str = "context"       # rho x the context's own recompute rate, or x the short-context rate ("short")
     once_from: int = 65536           # contexts this long run recompute once
+    planning: bool = False           # only time the planners at ``lengths`` (+ a batch of 8 x 32K): no compute
 
 
 @dataclass(slots=True)
@@ -64,12 +65,15 @@ def restore_run(o: RestoreRunOptions, cost_for: Callable) -> RestoreRun:
     folder = out_dir("bench-restore", o.out)
     status(f"building {o.model}")
     runner = load_model(o.model)
-    longest = max([o.context_len, *o.lengths] + ([8192] if o.batch_sizes else []))
+    longest = max([o.context_len, *o.lengths] + ([8192] if o.batch_sizes else []) + ([32768] if o.planning else []))
     runner.check_context_len(longest + o.query_len)     # before any profile or allocation
     cost = cost_for(runner, longest)
     result: dict = {"model": o.model, "chunk_tokens": 256, "query": o.query_len, "repeats": o.repeats,
                     "threads": cost.threads, "profiled_recompute_rate_mib_s": cost.short_context_rate() / 2**20}
-    if o.batch_sizes:
+    if o.planning:
+        result["planning"] = rb.planning_at_length(runner, cost, o.lengths, query_len=o.query_len)
+        write_json(folder / "planning.json", rb.jsonable(result))
+    elif o.batch_sizes:
         _batches(o, runner, cost, result, folder)
         write_json(folder / "restore-batch.json", rb.jsonable(result))
     else:
@@ -191,6 +195,10 @@ def _acceptance(result: dict, one: dict) -> dict:
 def print_restore_run(run: RestoreRun) -> None:
     """The tables of a finished run and where its files are."""
     res = run.results
+    if "planning" in res:
+        _print_planning(res["planning"])
+        console.print(f"JSON in {run.folder}")
+        return
     if run.batches:
         for batch in res["batches"]:
             _print_batch(batch)
@@ -243,6 +251,21 @@ def _print_lengths(result: dict) -> None:
     if result["crossover"]["measured_tokens"] is not None or result["crossover"]["points"]:
         console.print(f"measured crossover (token split beats layer split from): "
                       f"{result['crossover']['measured_tokens']}")
+
+
+def _print_planning(pl: dict) -> None:
+    table = Table(title=f"planning time at length (cost model only, rho={pl['rho']:g} vs each context's predicted "
+                        f"recompute): ms / share of the TTFT planned")
+    table.add_column("strategy")
+    for p in pl["lengths"]:
+        table.add_column(f"{p['context']} ({p['cells']} cells)", justify="right")
+    for i, row in enumerate(pl["lengths"][0]["rows"]):
+        table.add_row(row["strategy"], *(f"{p['rows'][i]['plan_s'] * 1e3:.1f} / {p['rows'][i]['share_of_ttft']:.3%}"
+                                         for p in pl["lengths"]))
+    console.print(table)
+    b = pl["batch"]
+    console.print(f"batch scheduler, {b['requests']} requests of {b['context']}: planned in {b['plan_s'] * 1e3:.1f} ms"
+                  f" = {b['share_of_first_ttft']:.2%} of the first predicted TTFT ({b['first_ttft_s']:.1f} s)")
 
 
 def _print_acceptance(acc: dict) -> None:
