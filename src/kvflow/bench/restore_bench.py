@@ -545,3 +545,88 @@ def planning_at_length(runner: ModelRunner, cost: CostModel, lengths, *, rho: fl
             "batch": {"requests": size, "context": n, "plan_s": plan_s, "first_ttft_s": min(bp.predicted_ttft),
                       "mean_ttft_s": statistics.mean(bp.predicted_ttft),
                       "share_of_first_ttft": plan_s / min(bp.predicted_ttft)}}
+
+
+# --------------------------------------------------------------------------------------------- bounded memory
+def memory_point(model: str, n: int, pool_dir: str, phase: str, strategy: str = "cacheflow", rho: float = 1.0,
+                 query_len: int = 32, chunk_tokens: int = 256, exact: bool = True) -> dict:
+    """One phase of the peak-RSS measurement of a restore of an ``n``-token context (``memory_points`` runs each
+    in a fresh child, so a peak is that phase's own): "store" prefills the context into an O_DIRECT extent file
+    under ``pool_dir`` (the pool is not resident); "restore" opens that pool, notes its RSS (interpreter, torch,
+    weights, index), restores once with the link at rho x the KV bytes/s the cost model predicts for recomputing
+    the context, and reads VmHWM when the restore returns. Exactness is checked after the peak is read: the
+    reference prefill's own KV is not counted."""
+    from kvflow.cli.restore_cmds import ensure_cost
+    from kvflow.model import load_model
+    from kvflow.stats import proc_status_bytes, rss_bytes
+
+    runner = load_model(model)
+    runner.check_context_len(n + query_len)
+    cost = ensure_cost(runner, n + query_len)
+    need = ((int(n * runner.kv_bytes_per_token() * 1.3) >> 20) + 64) << 20
+    pool = KVPool.open({"chunk_tokens": chunk_tokens, "durability": "relaxed",
+                        "index_dir": str(Path(pool_dir) / "index"),
+                        "devices": [{"type": "extent", "capacity": need, "direct": odirect_supported(pool_dir),
+                                     "path": str(Path(pool_dir) / "disk.img")}]})
+    try:
+        restorer = Restorer(runner, pool, cost=cost)
+        ctx = context(n, n, runner.config.vocab_size)
+        query = context(query_len, n + 1, runner.config.vocab_size)
+        if phase == "store":
+            t0 = time.perf_counter()
+            stored = restorer.store(ctx)
+            return {"store_s": time.perf_counter() - t0, "bytes": stored.bytes_written}
+        recompute = restorer.planner().plan("recompute", restorer.lookup(ctx, query_len)[0]).predicted.ttft_s
+        pool.set_throttle(rho * n * runner.kv_bytes_per_token() / recompute)
+        weights = runner.num_parameters * runner.dtype.itemsize
+        kv = (n + query_len) * runner.kv_bytes_per_token()
+        gc.collect()
+        base = rss_bytes()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                                      # VmHWM := VmRSS now
+        out = restorer.restore(ctx, query, strategy)
+        peak = proc_status_bytes("VmHWM:")
+        result = {"model": model, "context": n, "strategy": strategy, "plan": out.plan.describe(),
+                  "ttft_s": out.timings.ttft_s, "rss_before_restore": base, "peak_rss": peak, "kv_bytes": kv,
+                  "weights_bytes": weights,
+                  # what the restore added, over the KV it must hold; and the whole process over KV + weights
+                  # (the interpreter, torch and the index: rss_before_restore - weights)
+                  "restore_growth_over_kv": (peak - base) / kv,
+                  "peak_over_kv_weights": (peak - base + weights) / (kv + weights),
+                  "peak_raw_over_kv_plus_before": peak / (kv + base)}
+        if exact:
+            ref_kv, ref_logits = runner.reference_prefill(torch.cat([ctx, query]))
+            worst = (out.logits - ref_logits).abs().max().item()
+            for (k, v), (rk, rv) in zip(out.kv, ref_kv):
+                worst = max(worst, (k - rk).abs().max().item(), (v - rv).abs().max().item())
+            result["max_abs_diff"] = worst
+            result["argmax_ok"] = out.logits.argmax().item() == ref_logits.argmax().item()
+        return result
+    finally:
+        pool.close()
+
+
+def memory_points(model: str, lengths, strategy: str = "cacheflow", progress: Progress = lambda s: None,
+                  disk_dir: str | None = None) -> list[dict]:
+    """Peak RSS of one restore at each length: the context stored by one child, restored by a fresh one."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def child(n: int, tmp: str, phase: str) -> dict:
+        code = ("import json; from kvflow.bench.restore_bench import memory_point; "
+                f"print(json.dumps(memory_point({model!r}, {n}, {tmp!r}, {phase!r}, {strategy!r})))")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+        if done.returncode != 0:
+            raise KVFlowError(f"memory point {n} ({phase}): {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    points = []
+    for n in lengths:
+        with tempfile.TemporaryDirectory(prefix="kvflow-mem-", dir=disk_dir) as tmp:
+            progress(f"memory: storing a {n}-token context (child process)")
+            stored = child(n, tmp, "store")
+            progress(f"memory: peak RSS of a {n}-token {strategy} restore (fresh child process)")
+            points.append({**child(n, tmp, "restore"), "store_s": stored["store_s"]})
+    return points
