@@ -43,6 +43,7 @@ class StoreResult:
     seconds: float
     act_bytes_written: int = 0   # boundary activation records
     records_not_stored: int = 0  # records the pool could not store (relaxed pool: failed writes; strict raises)
+    prefill_s: float = 0.0       # of ``seconds``: the prefill; the rest is the put path (copies, checksums, writes)
 
     @property
     def complete(self) -> bool:
@@ -114,9 +115,12 @@ class Restorer:
         missing = [k for k, ok in zip(flat, present) if not ok]
         missing_acts = [k for k, ok in zip(acts, present[len(flat):]) if not ok]
         written = act_written = not_stored = 0
+        prefill_s = 0.0
         if missing or missing_acts:
             n = len(keys) * self.chunk_tokens
+            t1 = time.perf_counter()
             cache, hidden = self._prefill_capturing(ids[:n], boundaries)
+            prefill_s = time.perf_counter() - t1
             blocks = self.executor.transfer.to_host([cache.read_block(k.tokens, k.layers) for k in missing])
             items = dict(zip(missing, blocks))
             stored = self.pool.put_many(items, dtype=self._dtype())     # strict pools raise StoreError instead
@@ -126,7 +130,7 @@ class Restorer:
             act_written = sum(HEADER_SIZE + t.numel() * ACT_DTYPE.itemsize for t in act_items.values())
             not_stored = len(items) + len(act_items) - stored
         return StoreResult(len(keys) * self.chunk_tokens, len({k.tokens for k in missing + missing_acts}), written,
-                           time.perf_counter() - t0, act_written, not_stored)
+                           time.perf_counter() - t0, act_written, not_stored, prefill_s)
 
     def _prefill_capturing(self, ids: torch.Tensor, boundaries: list[int]):
         """Chunked prefill of ``ids`` that also keeps the hidden states entering each boundary layer."""

@@ -71,7 +71,7 @@ class Bench:
     strategies: tuple = ()           # what measure() runs (default: every strategy)
     context_rates: dict = field(default_factory=dict)  # context key -> KV bytes/s of recomputing it (measured)
     first_recompute: dict = field(default_factory=dict)  # context key -> (result, diff, argmax ok) of that run
-    stored: dict = field(default_factory=dict)      # context key -> {"store_s", "reference_s"}
+    stored: dict = field(default_factory=dict)      # context key -> store / reference prefill times
     links: dict = field(default_factory=dict)       # pool name -> (bytes/s, latency s) the link runs at now
     probes: dict = field(default_factory=dict)      # context key -> what its measured bound was built from
 
@@ -141,10 +141,12 @@ class Bench:
         self.contexts[key] = (ctx, query)
         t0 = time.perf_counter()
         self.refs[key] = self.runner.reference_prefill(torch.cat([ctx, query]))
-        self.stored[key] = {"reference_s": time.perf_counter() - t0, "store_s": {}}
+        self.stored[key] = {"reference_s": time.perf_counter() - t0, "store_s": {}, "store_put_over_prefill": {}}
         for name in self.pools:
             restorer = self.restorer(name)
-            self.stored[key]["store_s"][name] = restorer.store(ctx).seconds
+            st = restorer.store(ctx)
+            self.stored[key]["store_s"][name] = st.seconds
+            self.stored[key]["store_put_over_prefill"][name] = (st.seconds - st.prefill_s) / max(st.prefill_s, 1e-9)
             held = self.pools[name].longest_prefix(ctx, self.runner.fingerprint, restorer.groups)
             if held < n // self.chunk_tokens * self.chunk_tokens:
                 raise KVFlowError(f"benchmark pool {name!r} holds {held} of {n} tokens: too small for the contexts")
@@ -575,7 +577,8 @@ def memory_point(model: str, n: int, pool_dir: str, phase: str, strategy: str = 
         if phase == "store":
             t0 = time.perf_counter()
             stored = restorer.store(ctx)
-            return {"store_s": time.perf_counter() - t0, "bytes": stored.bytes_written}
+            return {"store_s": time.perf_counter() - t0, "bytes": stored.bytes_written,
+                    "store_put_over_prefill": (stored.seconds - stored.prefill_s) / max(stored.prefill_s, 1e-9)}
         recompute = restorer.planner().plan("recompute", restorer.lookup(ctx, query_len)[0]).predicted.ttft_s
         pool.set_throttle(rho * n * runner.kv_bytes_per_token() / recompute)
         weights = runner.num_parameters * runner.dtype.itemsize
@@ -628,5 +631,6 @@ def memory_points(model: str, lengths, strategy: str = "cacheflow", progress: Pr
             progress(f"memory: storing a {n}-token context (child process)")
             stored = child(n, tmp, "store")
             progress(f"memory: peak RSS of a {n}-token {strategy} restore (fresh child process)")
-            points.append({**child(n, tmp, "restore"), "store_s": stored["store_s"]})
+            points.append({**child(n, tmp, "restore"), "store_s": stored["store_s"],
+                           "store_put_over_prefill": stored["store_put_over_prefill"]})
     return points

@@ -39,6 +39,7 @@ class RestoreRunOptions:
     rho_basis: str = "context"       # rho x the context's own recompute rate, or x the short-context rate ("short")
     once_from: int = 65536           # contexts this long run recompute once
     planning: bool = False           # only time the planners at ``lengths`` (+ a batch of 8 x 32K): no compute
+    memory: bool = False             # only the peak RSS of one cacheflow restore at each of ``lengths``
 
 
 @dataclass(slots=True)
@@ -70,7 +71,10 @@ def restore_run(o: RestoreRunOptions, cost_for: Callable) -> RestoreRun:
     cost = cost_for(runner, longest)
     result: dict = {"model": o.model, "chunk_tokens": 256, "query": o.query_len, "repeats": o.repeats,
                     "threads": cost.threads, "profiled_recompute_rate_mib_s": cost.short_context_rate() / 2**20}
-    if o.planning:
+    if o.memory:
+        result["memory"] = rb.memory_points(o.model, o.lengths, progress=status, disk_dir=str(folder))
+        write_json(folder / "memory.json", rb.jsonable(result))
+    elif o.planning:
         result["planning"] = rb.planning_at_length(runner, cost, o.lengths, query_len=o.query_len)
         write_json(folder / "planning.json", rb.jsonable(result))
     elif o.batch_sizes:
@@ -195,6 +199,10 @@ def _acceptance(result: dict, one: dict) -> dict:
 def print_restore_run(run: RestoreRun) -> None:
     """The tables of a finished run and where its files are."""
     res = run.results
+    if "memory" in res:
+        _print_memory(res["memory"])
+        console.print(f"JSON in {run.folder}")
+        return
     if "planning" in res:
         _print_planning(res["planning"])
         console.print(f"JSON in {run.folder}")
@@ -251,6 +259,19 @@ def _print_lengths(result: dict) -> None:
     if result["crossover"]["measured_tokens"] is not None or result["crossover"]["points"]:
         console.print(f"measured crossover (token split beats layer split from): "
                       f"{result['crossover']['measured_tokens']}")
+
+
+def _print_memory(points: list[dict]) -> None:
+    table = Table(title="peak RSS of one cacheflow restore (fresh process per length; context on an O_DIRECT file)")
+    for col in ("context", "KV MiB", "weights MiB", "RSS before MiB", "peak MiB", "growth / KV",
+                "(growth + weights) / (KV + weights)", "store put / prefill", "max |diff|"):
+        table.add_column(col, justify="right")
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    for p in points:
+        table.add_row(str(p["context"]), mib(p["kv_bytes"]), mib(p["weights_bytes"]), mib(p["rss_before_restore"]),
+                      mib(p["peak_rss"]), f"{p['restore_growth_over_kv']:.2f}", f"{p['peak_over_kv_weights']:.2f}",
+                      f"{p['store_put_over_prefill']:.3f}", f"{p.get('max_abs_diff', float('nan')):.1e}")
+    console.print(table)
 
 
 def _print_planning(pl: dict) -> None:

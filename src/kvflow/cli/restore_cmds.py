@@ -118,6 +118,8 @@ def bench_restore(
                                                  "that context (measured in the run; rho=1: loading takes as long "
                                                  "as recomputing it); short: x recompute's rate at short context"),
     once_from: int = typer.Option(65536, min=1, help="contexts of at least this many tokens run recompute once"),
+    memory: bool = typer.Option(False, "--memory", help="only the peak RSS of one cacheflow restore at each of "
+                                                       "--lengths (a fresh child process per length)"),
     planning: bool = typer.Option(False, "--planning", help="only time every planner at --lengths (and the batch "
                                                            "scheduler on 8 x 32K) from the cost model: no compute"),
     quick: bool = typer.Option(False, "--quick", help="small model and contexts: a smoke run in about a minute"),
@@ -143,7 +145,7 @@ def bench_restore(
     run = restore_run(RestoreRunOptions(model, context_len, rho_list, comma_list(lengths, int, "--lengths"), query_len,
                                         repeats, latencies, disk, gbps_list,
                                         comma_list(batch, int, "--batch", 256) if batch else [], out,
-                                        [s for s in STRATEGIES if s in chosen], rho_basis, once_from, planning),
+                                        [s for s in STRATEGIES if s in chosen], rho_basis, once_from, planning, memory),
                       cost_for=ensure_cost)
     if as_json:
         print(json.dumps(run.to_json(), indent=2))
