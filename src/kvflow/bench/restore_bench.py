@@ -201,7 +201,7 @@ def measure(bench: Bench, pool_name: str, n: int, strategies, repeats: int, prog
     ctx, query = bench.contexts[n]
     ref_argmax = bench.refs[n][1].argmax().item()
     runs: dict[str, list[tuple[RestoreResult, float, bool]]] = {s: [] for s in strategies}
-    once = n >= bench.once_from and "recompute" in runs      # recompute (no link) is run once, first, at length
+    once = n >= bench.once_from and "recompute" in runs      # recompute (no link) runs once, first, at length
     if once:
         bench.measure_recompute(n)
         runs["recompute"].append(bench.first_recompute[n])
@@ -209,12 +209,15 @@ def measure(bench: Bench, pool_name: str, n: int, strategies, repeats: int, prog
     order = [s for s in strategies if not (once and s == "recompute")] + [PROBE]
     ids = torch.cat([ctx, query])
     step = restorer.planner_config.max_step
+    long = n >= bench.once_from          # each pass is minutes: one probe, big steps only (bound.CellProbe.probe)
     for rep in range(repeats):
         for s in order[rep % len(order):] + order[:rep % len(order)]:
+            if s == PROBE and long and probe.chunks:
+                continue
             progress(f"{label}: {'measuring the bound' if s == PROBE else s} ({rep + 1}/{repeats})")
             gc.collect()
             if s == PROBE:
-                probe.probe(bench.runner, ids, n // bench.chunk_tokens, step)
+                probe.probe(bench.runner, ids, n // bench.chunk_tokens, step, single=not long)
                 continue
             out = restorer.restore(ctx, query, s)
             diff, ok = kv_diff(out, bench.refs[n]), out.logits.argmax().item() == ref_argmax
