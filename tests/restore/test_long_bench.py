@@ -25,7 +25,7 @@ def test_paired_ratio_of_one_pair_has_no_interval():
 
 
 def test_rho_one_moves_a_context_in_its_own_recompute_time_and_recompute_runs_once_at_length(tiny):
-    n = 1024
+    n = 512
     bench = rb.make_bench(tiny, synthetic_cost(tiny), [n], rho_basis="context", once_from=n)
     try:
         rate = bench.set_link("memory", 1.0, key=n)
