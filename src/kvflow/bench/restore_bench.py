@@ -68,6 +68,7 @@ class Bench:
     recompute_rate: float = 0.0      # KV bytes/s of recompute at short context, measured warm at the start
     rho_basis: str = "context"       # "context": rho x the context's own recompute rate; "short": x recompute_rate
     once_from: int = 65536           # contexts this long run recompute once (its first run: rho's basis)
+    long_repeats: int | None = None  # repeats at once_from and beyond (None: as many as shorter contexts)
     strategies: tuple = ()           # what measure() runs (default: every strategy)
     context_rates: dict = field(default_factory=dict)  # context key -> KV bytes/s of recomputing it (measured)
     first_recompute: dict = field(default_factory=dict)  # context key -> (result, diff, argmax ok) of that run
@@ -162,7 +163,7 @@ class Bench:
 def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: int = 256, query_len: int = 32,
                disk_dir: str | None = None, progress: Progress = lambda s: None, store: bool = True,
                storage_dtype: str = "float32", rho_basis: str = "context", once_from: int = 65536,
-               strategies=()) -> Bench:
+               strategies=(), long_repeats: int | None = None) -> Bench:
     """A throttled memory pool (two devices, striped) and, with ``disk_dir``, an O_DIRECT extent file there, sized
     for contexts of ``lengths`` (stored now unless ``store`` is false)."""
     kv = runner.kv_bytes_per_token()
@@ -170,7 +171,7 @@ def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: i
     if rho_basis not in ("context", "short"):
         raise KVFlowError(f"unknown rho basis {rho_basis!r}: use context or short")
     bench = Bench(runner, cost, chunk_tokens, query_len, storage_dtype=storage_dtype, rho_basis=rho_basis,
-                  once_from=once_from, strategies=tuple(strategies))
+                  once_from=once_from, strategies=tuple(strategies), long_repeats=long_repeats)
     progress("measuring the recompute rate (rho's denominator)")
     bench.recompute_rate = recompute_rate(runner, chunk_tokens)
     bench.pools["memory"] = KVPool.memory(need, devices=2, chunk_tokens=chunk_tokens)
@@ -211,6 +212,8 @@ def measure(bench: Bench, pool_name: str, n: int, strategies, repeats: int, prog
     ids = torch.cat([ctx, query])
     step = restorer.planner_config.max_step
     long = n >= bench.once_from          # each pass is minutes: one probe, big steps only (bound.CellProbe.probe)
+    if long and bench.long_repeats is not None:
+        repeats = bench.long_repeats
     for rep in range(repeats):
         for s in order[rep % len(order):] + order[:rep % len(order)]:
             if s == PROBE and long and probe.chunks:
@@ -614,8 +617,10 @@ def memory_point(model: str, n: int, pool_dir: str, phase: str, strategy: str = 
 
 
 def memory_points(model: str, lengths, strategy: str = "cacheflow", progress: Progress = lambda s: None,
-                  disk_dir: str | None = None) -> list[dict]:
-    """Peak RSS of one restore at each length: the context stored by one child, restored by a fresh one."""
+                  disk_dir: str | None = None, exact_below: int = 65536) -> list[dict]:
+    """Peak RSS of one restore at each length: the context stored by one child, restored by a fresh one; checked
+    against a reference prefill below ``exact_below`` tokens (beyond, that prefill alone is minutes; the restore
+    bench checks every restore it times at those lengths)."""
     import json
     import os
     import subprocess
@@ -623,7 +628,8 @@ def memory_points(model: str, lengths, strategy: str = "cacheflow", progress: Pr
 
     def child(n: int, tmp: str, phase: str) -> dict:
         code = ("import json; from kvflow.bench.restore_bench import memory_point; "
-                f"print(json.dumps(memory_point({model!r}, {n}, {tmp!r}, {phase!r}, {strategy!r})))")
+                f"print(json.dumps(memory_point({model!r}, {n}, {tmp!r}, {phase!r}, {strategy!r}, "
+                f"exact={n < exact_below})))")
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
         if done.returncode != 0:
             raise KVFlowError(f"memory point {n} ({phase}): {(done.stderr.strip().splitlines() or ['?'])[-1]}")

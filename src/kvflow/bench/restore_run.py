@@ -37,7 +37,8 @@ class RestoreRunOptions:
     out: Path | None = None
     strategies: list[str] = field(default_factory=list)   # empty: every strategy
     rho_basis: str = "context"       # rho x the context's own recompute rate, or x the short-context rate ("short")
-    once_from: int = 65536           # contexts this long run recompute once
+    once_from: int = 65536           # contexts this long run recompute once, one big-step bound probe
+    long_repeats: int | None = None  # repeats of the other strategies there (None: ``repeats``)
     planning: bool = False           # only time the planners at ``lengths`` (+ a batch of 8 x 32K): no compute
     memory: bool = False             # only the peak RSS of one cacheflow restore at each of ``lengths``
 
@@ -72,7 +73,8 @@ def restore_run(o: RestoreRunOptions, cost_for: Callable) -> RestoreRun:
     result: dict = {"model": o.model, "chunk_tokens": 256, "query": o.query_len, "repeats": o.repeats,
                     "threads": cost.threads, "profiled_recompute_rate_mib_s": cost.short_context_rate() / 2**20}
     if o.memory:
-        result["memory"] = rb.memory_points(o.model, o.lengths, progress=status, disk_dir=str(folder))
+        result["memory"] = rb.memory_points(o.model, o.lengths, progress=status, disk_dir=str(folder),
+                                            exact_below=o.once_from)
         write_json(folder / "memory.json", rb.jsonable(result))
     elif o.planning:
         result["planning"] = rb.planning_at_length(runner, cost, o.lengths, query_len=o.query_len)
@@ -106,7 +108,7 @@ def _sweeps(o: RestoreRunOptions, runner, cost, result: dict, folder: Path) -> N
     strategies = tuple(o.strategies) or STRATEGIES
     bench = rb.make_bench(runner, cost, [n, *o.lengths], query_len=o.query_len,
                           disk_dir=str(folder) if o.disk else None, progress=status, rho_basis=o.rho_basis,
-                          once_from=o.once_from, strategies=strategies)
+                          once_from=o.once_from, strategies=strategies, long_repeats=o.long_repeats)
     try:
         result["recompute_rate_mib_s"] = bench.recompute_rate / 2**20
         result["rho_basis"], result["strategies"], result["recompute_once_from"] = (o.rho_basis, list(strategies),

@@ -117,7 +117,10 @@ def bench_restore(
     rho_basis: str = typer.Option("context", help="context: the link runs at rho x the KV bytes/s of recomputing "
                                                  "that context (measured in the run; rho=1: loading takes as long "
                                                  "as recomputing it); short: x recompute's rate at short context"),
-    once_from: int = typer.Option(65536, min=1, help="contexts of at least this many tokens run recompute once"),
+    once_from: int = typer.Option(65536, min=1, help="contexts of at least this many tokens run recompute once "
+                                                    "and one bound probe (big steps only)"),
+    long_repeats: Optional[int] = typer.Option(None, min=1, help="repeats of the other strategies at --once-from "
+                                                                  "and beyond (default: --repeats)"),
     memory: bool = typer.Option(False, "--memory", help="only the peak RSS of one cacheflow restore at each of "
                                                        "--lengths (a fresh child process per length)"),
     planning: bool = typer.Option(False, "--planning", help="only time every planner at --lengths (and the batch "
@@ -145,7 +148,9 @@ def bench_restore(
     run = restore_run(RestoreRunOptions(model, context_len, rho_list, comma_list(lengths, int, "--lengths"), query_len,
                                         repeats, latencies, disk, gbps_list,
                                         comma_list(batch, int, "--batch", 256) if batch else [], out,
-                                        [s for s in STRATEGIES if s in chosen], rho_basis, once_from, planning, memory),
+                                        strategies=[s for s in STRATEGIES if s in chosen], rho_basis=rho_basis,
+                                        once_from=once_from, long_repeats=long_repeats, planning=planning,
+                                        memory=memory),
                       cost_for=ensure_cost)
     if as_json:
         print(json.dumps(run.to_json(), indent=2))
