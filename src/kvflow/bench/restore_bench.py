@@ -4,10 +4,11 @@ Links are emulated by throttling the pool to ``rho x`` the rate at which recompu
 not the profile, not the calibrated model). Rho's basis (``rho_basis``): "context" (default) — the KV bytes of the
 context over its own recompute TTFT, measured in the same run (one recompute of that context before its points), so
 rho = 1 means loading the context takes as long as recomputing it; "short" — recompute's rate at short context,
-measured warm once at the start of the run (also reported beside the other). The unthrottled run reads a real file on this machine's disk through the passthrough (O_DIRECT extent) device. Every
-restore is checked against one fresh full prefill (max |diff| reported). Strategies are measured interleaved,
-``repeats`` times, with one probe of the measured bound (bench/bound.py) among them each repeat; medians are
-reported, so drift in machine load hits every strategy and the bound alike. The headline is ``vs_measured_bound``:
+measured warm once at the start of the run (also reported beside the other). The unthrottled run reads a real
+file on this machine's disk through the passthrough (O_DIRECT extent) device. Every restore is checked against
+one fresh full prefill (max |diff| reported), whose KV is also what the pools store. Strategies are measured
+interleaved, ``repeats`` times, with one probe of the measured bound (bench/bound.py) among them each repeat (from
+``once_from`` tokens: recompute run once, one big-step probe, ``long_repeats``); medians are reported, so drift in machine load hits every strategy and the bound alike. The headline is ``vs_measured_bound``:
 TTFT over the bound built from this run's measurements; the cost model's T* is reported beside it.
 """
 

@@ -226,8 +226,9 @@ def print_restore_run(run: RestoreRun) -> None:
 
 def _print_lengths(result: dict) -> None:
     once = result["recompute_once_from"]
-    table = Table(title=f"context length sweep at rho=1, rho vs {'each context' if result['rho_basis'] == 'context' else 'short-context'}"
-                        f" recompute (TTFT s; recompute one run at >= {once} tokens)")
+    basis = "each context's" if result["rho_basis"] == "context" else "short-context"
+    table = Table(title=f"context length sweep at rho=1, rho vs {basis} recompute (TTFT s; recompute one run "
+                        f"at >= {once} tokens)")
     points = result["length_sweep"]
     strategies = [r["strategy"] for r in points[0]["rows"]]
     table.add_column("context", justify="right")
