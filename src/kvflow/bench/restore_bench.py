@@ -8,8 +8,9 @@ measured warm once at the start of the run (also reported beside the other). The
 file on this machine's disk through the passthrough (O_DIRECT extent) device. Every restore is checked against
 one fresh full prefill (max |diff| reported), whose KV is also what the pools store. Strategies are measured
 interleaved, ``repeats`` times, with one probe of the measured bound (bench/bound.py) among them each repeat (from
-``once_from`` tokens: recompute run once, one big-step probe, ``long_repeats``); medians are reported, so drift in machine load hits every strategy and the bound alike. The headline is ``vs_measured_bound``:
-TTFT over the bound built from this run's measurements; the cost model's T* is reported beside it.
+``once_from`` tokens: recompute run once, one big-step probe, ``long_repeats``); medians are reported, so drift
+in machine load hits every strategy and the bound alike. The headline is ``vs_measured_bound``: TTFT over the
+bound built from this run's measurements; the cost model's T* is reported beside it.
 """
 
 from __future__ import annotations
