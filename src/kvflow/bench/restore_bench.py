@@ -71,7 +71,6 @@ class Bench:
     rho_basis: str = "context"       # "context": rho x the context's own recompute rate; "short": x recompute_rate
     once_from: int = 65536           # contexts this long run recompute once (its first run: rho's basis)
     long_repeats: int | None = None  # repeats at once_from and beyond (None: as many as shorter contexts)
-    strategies: tuple = ()           # what measure() runs (default: every strategy)
     context_rates: dict = field(default_factory=dict)  # context key -> KV bytes/s of recomputing it (measured)
     first_recompute: dict = field(default_factory=dict)  # context key -> (result, diff, argmax ok) of that run
     stored: dict = field(default_factory=dict)      # context key -> store / reference prefill times
@@ -165,7 +164,7 @@ class Bench:
 def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: int = 256, query_len: int = 32,
                disk_dir: str | None = None, progress: Progress = lambda s: None, store: bool = True,
                storage_dtype: str = "float32", rho_basis: str = "context", once_from: int = 65536,
-               strategies=(), long_repeats: int | None = None) -> Bench:
+               long_repeats: int | None = None) -> Bench:
     """A throttled memory pool (two devices, striped) and, with ``disk_dir``, an O_DIRECT extent file there, sized
     for contexts of ``lengths`` (stored now unless ``store`` is false)."""
     kv = runner.kv_bytes_per_token()
@@ -173,7 +172,7 @@ def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: i
     if rho_basis not in ("context", "short"):
         raise KVFlowError(f"unknown rho basis {rho_basis!r}: use context or short")
     bench = Bench(runner, cost, chunk_tokens, query_len, storage_dtype=storage_dtype, rho_basis=rho_basis,
-                  once_from=once_from, strategies=tuple(strategies), long_repeats=long_repeats)
+                  once_from=once_from, long_repeats=long_repeats)
     progress("measuring the recompute rate (rho's denominator)")
     bench.recompute_rate = recompute_rate(runner, chunk_tokens)
     bench.pools["memory"] = KVPool.memory(need, devices=2, chunk_tokens=chunk_tokens)
@@ -187,7 +186,7 @@ def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: i
                                            "devices": [{"type": "extent", "capacity": need, "direct": direct,
                                                         "path": str(Path(bench.tmp.name) / "disk.img")}]})
     for n in sorted(set(lengths)) if store else ():
-        progress(f"storing a {n}-token context (prefill + reference)")
+        progress(f"storing a {n}-token context (its reference prefill, stored in every pool)")
         bench.add_context(n)
     return bench
 

@@ -108,7 +108,7 @@ def _sweeps(o: RestoreRunOptions, runner, cost, result: dict, folder: Path) -> N
     strategies = tuple(o.strategies) or STRATEGIES
     bench = rb.make_bench(runner, cost, [n, *o.lengths], query_len=o.query_len,
                           disk_dir=str(folder) if o.disk else None, progress=status, rho_basis=o.rho_basis,
-                          once_from=o.once_from, strategies=strategies, long_repeats=o.long_repeats)
+                          once_from=o.once_from, long_repeats=o.long_repeats)
     try:
         result["recompute_rate_mib_s"] = bench.recompute_rate / 2**20
         result["rho_basis"], result["strategies"], result["recompute_once_from"] = (o.rho_basis, list(strategies),
