@@ -170,7 +170,9 @@ def _acceptance(result: dict, one: dict) -> dict:
     worst_at = max(result["rho_sweep"], key=lambda p: p["speedups"].get("cacheflow_vs_best_other", 0.0))
     cross = result["crossover"]["points"]
     nan = {"ttft_s": float("nan")}
-    paired = {f"rho1_cacheflow_vs_{s}_paired": f"{p['ratio']:.3f} [{p['lo']:.3f}, {p['hi']:.3f}] ({p['pairs']} pairs)"
+    paired = {f"rho1_cacheflow_vs_{s}_paired": f"{p['ratio']:.3f} " + (f"[{p['lo']:.3f}, {p['hi']:.3f}] "
+                                                                        f"({p['pairs']} pairs)" if p["pairs"] > 1
+                                                                        else "(1 pair: no interval)")
               for s, p in one["speedups"]["paired"].items()}
     return {
         "headline_rho": one["rho"],      # the rho1_* figures' point: rho = 1 when swept, else the first swept rho
