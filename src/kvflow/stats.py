@@ -2,6 +2,7 @@
 
     percentile(ttfts, 99)           linear interpolation (numpy's default); nan (or ``empty``) for no values
     median_of(timed_get, 5)         median of ``repeats`` calls
+    paired_ratio([a1, a2], [b1, b2])   geometric-mean ratio A/B of paired (interleaved) repeats + its 95% interval
     rss_bytes(pid)                  resident set size from /proc (``proc_status_bytes`` for VmHWM and the like)
     drop_page_cache() / fadvise_out(folder)     the next read comes from the disk
     comma_list("1,2,4", int, "--batch")         a CLI list, or one KVFlowError line
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -29,6 +31,38 @@ def percentile(values: Iterable[float], q: float, empty: float = float("nan")) -
 def median_of(fn: Callable[[], float], repeats: int) -> float:
     """The median of ``repeats`` (at least one) calls of ``fn``."""
     return statistics.median(fn() for _ in range(max(1, repeats)))
+
+
+# two-sided 97.5% quantiles of Student's t for 1..30 degrees of freedom (beyond: the normal's 1.96)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+@dataclass(frozen=True, slots=True)
+class PairedRatio:
+    """A over B from paired repeats: the geometric mean of the per-pair ratios and its 95% interval (t on the
+    log-ratios); ``lo``/``hi`` are nan with a single pair (no interval from one pair)."""
+    ratio: float
+    lo: float
+    hi: float
+    pairs: int
+
+    def excludes_one(self) -> bool:
+        return self.hi < 1.0 or self.lo > 1.0
+
+
+def paired_ratio(a: Iterable[float], b: Iterable[float]) -> PairedRatio:
+    """Ratio of A to B over paired repeats (``a[i]`` and ``b[i]`` measured next to each other, A,B,A,B...): pairing
+    cancels the machine's drift between repeats, which a ratio of two medians does not."""
+    logs = [math.log(x / y) for x, y in zip(a, b) if x > 0 and y > 0]
+    if not logs:
+        return PairedRatio(float("nan"), float("nan"), float("nan"), 0)
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return PairedRatio(math.exp(mean), float("nan"), float("nan"), 1)
+    t = _T975[len(logs) - 2] if len(logs) - 1 <= len(_T975) else 1.96
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return PairedRatio(math.exp(mean), math.exp(mean - half), math.exp(mean + half), len(logs))
 
 
 def proc_status_bytes(field: str, pid: int | str = "self") -> int:

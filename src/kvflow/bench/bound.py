@@ -79,21 +79,37 @@ class CellProbe:
     own: QueryTimes = field(default_factory=QueryTimes)
 
     def probe(self, runner: ModelRunner, token_ids: torch.Tensor, grid_chunks: int, max_step: int,
-              others: list[tuple["QueryTimes", torch.Tensor, int]] = ()) -> None:
+              others: list[tuple["QueryTimes", torch.Tensor, int]] = (), single: bool = True) -> None:
         """One measurement (two recomputes of the grid + the query), in the executor's largest steps: ``max_step``
         tokens for the grid and for the tail + query pieces (a plan's ``step_tokens``). ``others``: (times, suffix
         ids, start) of more requests whose queries are timed on this cache (a batch: a chunk costs the same at the
-        same position whatever its tokens, so the longest context's probe serves every request)."""
+        same position whatever its tokens, so the longest context's probe serves every request). ``single``
+        false (long contexts, where each pass is minutes): the big steps only, a step's time shared evenly by its
+        chunks (their positions differ by under a step: at 64K tokens and 1K-token steps, under 2%)."""
         C, L = self.chunk_tokens, self.num_layers
         grid = grid_chunks * C
-        single, cache = [], runner.new_cache(max([token_ids.numel()] + [s + ids.numel() for _, ids, s in others]))
+        cache = runner.new_cache(max([token_ids.numel()] + [s + ids.numel() for _, ids, s in others]))
+        per = max(1, max_step // C)
+        if not single:
+            best = []
+            for c0 in range(0, grid_chunks, per):
+                c1 = min(c0 + per, grid_chunks)
+                h = runner.embed(token_ids[c0 * C:c1 * C])
+                t0 = _now(runner)
+                runner.run_layers(cache, h, c0 * C, (0, L))
+                best += [(_now(runner) - t0) / (c1 - c0)] * (c1 - c0)
+            self.chunks.append(best)
+            self.own.measure(runner, cache, token_ids[grid:], grid, max_step)
+            for times, ids, start in others:
+                times.measure(runner, cache, ids, start, max_step)
+            return
+        single = []
         for i in range(grid_chunks):
             h = runner.embed(token_ids[i * C:(i + 1) * C])
             t0 = _now(runner)
             runner.run_layers(cache, h, i * C, (0, L))
             single.append(_now(runner) - t0)
         best = list(single)
-        per = max(1, max_step // C)
         big = runner.new_cache(grid)
         for c0 in range(0, grid_chunks, per):
             c1 = min(c0 + per, grid_chunks)

@@ -10,6 +10,9 @@
 3. lookup     — `longest_prefix` of a whole context vs the time to load that context's records.
 4. loops      — N loop devices capped by the kernel (cgroup v1 blkio), unknown to kvflow (``pool_loop.py``).
 5. mixed      — host memory + an extent file on the real disk, both probed (``pool_loop.py``).
+6. long       — one long context (``--context``, e.g. 131072 tokens) on the disk pool and on a memory + disk pool:
+                store rate, read rate vs the sum of the devices alone, ``longest_prefix`` vs the load, index size.
+                Only with ``--context``.
 """
 
 from __future__ import annotations
@@ -168,6 +171,68 @@ def lookup(tokens: int, kv_bytes_per_token: int, groups: int, links: list[float 
     return out
 
 
+# -- 6. one long context on the disk pool and on memory + disk ------------------------------------------------
+def _dir_bytes(path: str) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def long_context(disk_dir: str, tokens: int, kv_bytes_per_token: int, groups: int, repeats: int,
+                 progress: Progress) -> dict:
+    """A ``tokens``-token context (records of one chunk x one layer group) stored on an O_DIRECT extent file, then
+    on memory + that file: store time and rate, whole-context read rate against the sum of each device read
+    alone (the disk pool: the raw O_DIRECT rate of the file), ``longest_prefix`` of the whole context against
+    the load it serves, the index's size on disk and in entries."""
+    from kvflow.bench.bound import odirect_read_rate
+    from kvflow.pool.devices.base import SUPERBLOCK
+    record = 256 * kv_bytes_per_token // groups
+    ids, keys, data = synthetic_context(tokens, record, groups=groups, seed=6)
+    gs = layer_groups(groups, 1)
+    moved = sum(t.numel() * 4 for t in data.values())
+    cap = int(moved * 1.3) // MiB * MiB + 128 * MiB
+    out = {"tokens": tokens, "records": len(keys), "bytes": moved, "kv_bytes_per_token": kv_bytes_per_token,
+           "disk_dir": disk_dir, "pools": {}}
+    with tempfile.TemporaryDirectory(prefix="kvflow-bench-long-", dir=disk_dir) as tmp:
+        direct = odirect_supported(tmp)
+        out["o_direct"] = direct
+        for name in ("disk", "memory+disk"):
+            path = os.path.join(tmp, f"{name}.img")
+            devices = [{"type": "extent", "path": path, "capacity": cap, "direct": direct}]
+            if name == "memory+disk":
+                devices.insert(0, {"type": "memory", "capacity": cap})
+            index = os.path.join(tmp, f"{name}-index")
+            progress(f"long context: storing {tokens} tokens ({moved / MiB:.0f} MiB) on the {name} pool")
+            with KVPool.open({"index_dir": index, "durability": "relaxed", "chunk_tokens": 256,
+                              "devices": devices}) as pool:
+                t0 = time.perf_counter()
+                pool.put_many(data)
+                pool.checkpoint()
+                store_s = time.perf_counter() - t0
+                held = pool.longest_prefix(ids, FP, gs)
+                assert held == tokens // 256 * 256, (held, tokens)
+                progress(f"long context: reading it back from the {name} pool")
+                t_all = median_of(lambda: timed_get(pool, keys), repeats)
+                t_lookup = median_of(lambda: _timed(lambda: pool.longest_prefix(ids, FP, gs)), 7)
+                dev_of = {d: dev for d, dev, *_ in pool.entries()}
+                alone = []
+                for i in range(len(devices)):
+                    mine = [k for k in keys if dev_of[k.digest] == i]
+                    alone.append(sum(data[k].numel() * 4 for k in mine) / median_of(lambda: timed_get(pool, mine),
+                                                                                       repeats) if mine else 0.0)
+                extent_bytes = sum(e[3] for e in pool.entries() if e[1] == len(devices) - 1)
+                entries = len(list(pool.entries()))
+            raw = (odirect_read_rate(path, extent_bytes // MiB * MiB, 4, offset=SUPERBLOCK)
+                   if direct and extent_bytes >= 16 * MiB else None)
+            row = {"store_s": store_s, "store_bw": moved / store_s, "store_tokens_per_s": tokens / store_s,
+                   "read_s": t_all, "read_bw": moved / t_all, "device_alone_bw": alone, "sum_alone": sum(alone),
+                   "ratio_to_sum": moved / t_all / sum(alone), "extent_raw_alone_bw": raw,
+                   "lookup_s": t_lookup, "lookup_share_of_load": t_lookup / t_all,
+                   "index_bytes": _dir_bytes(index), "index_entries": entries}
+            if raw is not None and name == "disk":
+                row["ratio_to_raw_disk"] = row["read_bw"] / raw
+            out["pools"][name] = row
+    return out
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -175,12 +240,13 @@ def _timed(fn) -> float:
 
 
 # -- the command ---------------------------------------------------------------------------------------------
-SECTIONS = ("striping", "passthrough", "lookup", "loops", "mixed")
+SECTIONS = ("striping", "passthrough", "lookup", "loops", "mixed", "long")
 
 
 def run(quick: bool = False, disk_dir: str | None = None, record_kib: int = 256,
         progress: Progress = lambda s: None, sections=SECTIONS, loops: LoopOptions | None = None,
-        command: str | None = None) -> dict:
+        command: str | None = None, context: int | None = None, kv_bytes_per_token: int = 12 * 1024,
+        groups: int = 6) -> dict:
     disk_dir = disk_dir or os.environ.get("KVFLOW_BENCH_DISK", "/var/tmp")
     repeats = 1 if quick else 3       # striping reads are long; the disk runs repeat more (noisier)
     loops = loops or LoopOptions(data_bytes=(128 if quick else 256) * MiB)
@@ -203,6 +269,8 @@ def run(quick: bool = False, disk_dir: str | None = None, record_kib: int = 256,
         results["loops"] = kernel_capped_loops(loops, disk_dir, progress)
     if "mixed" in sections:
         results["mixed"] = mixed(disk_dir, (64 if quick else 256) * MiB, MiB, max(repeats, 2), progress)
+    if "long" in sections and context:
+        results["long"] = long_context(disk_dir, context, kv_bytes_per_token, groups, max(repeats, 2), progress)
     results["elapsed_s"] = time.perf_counter() - t0
     results["summary"] = summary(results)
     return results
@@ -241,6 +309,10 @@ def summary(results: dict) -> dict:
                     "loops_max_probed_ratio_error": lp["max_ratio_error"]}
     if "mixed" in results:
         out["mixed_striped_over_sum_alone"] = results["mixed"]["ratio_to_sum"]
+    if "long" in results:
+        for name, r in results["long"]["pools"].items():
+            out[f"long_{name}_over_sum_alone"] = r["ratio_to_sum"]
+            out[f"long_{name}_lookup_share_of_load"] = r["lookup_share_of_load"]
     return out
 
 
@@ -256,7 +328,20 @@ def tables(results: dict) -> list[tuple[str, list[dict]]]:
         out += _loops_tables(results["loops"])
     if "mixed" in results:
         out += _mixed_table(results["mixed"])
+    if "long" in results:
+        out += _long_table(results["long"])
     return out
+
+
+def _long_table(lc: dict) -> list:
+    mb = lambda b: b / MiB
+    rows = [{"pool": name, "store s": r["store_s"], "store MiB/s": mb(r["store_bw"]), "read MiB/s": mb(r["read_bw"]),
+             "sum alone MiB/s": mb(r["sum_alone"]), "/ sum": r["ratio_to_sum"],
+             "raw disk MiB/s": mb(r["extent_raw_alone_bw"]) if r["extent_raw_alone_bw"] else None,
+             "lookup ms": r["lookup_s"] * 1e3, "lookup / load": r["lookup_share_of_load"],
+             "index KiB": r["index_bytes"] / 1024, "entries": r["index_entries"]} for name, r in lc["pools"].items()]
+    return [(f"6. a {lc['tokens']}-token context ({mb(lc['bytes']):.0f} MiB, {lc['records']} records) on "
+             f"{lc['disk_dir']} (O_DIRECT {lc['o_direct']})", rows)]
 
 
 def _striping_table(s: dict) -> list:

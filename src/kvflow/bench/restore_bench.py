@@ -1,12 +1,16 @@
 """`kvflow bench restore` and `kvflow demo`: every strategy, same model, same pool, same run.
 
-Links are emulated by throttling the pool to ``rho x`` the rate at which recompute produces KV bytes at short
-context, measured warm once at the start of the run (DESIGN.md §5; not the profile, not the calibrated model); the
-unthrottled run reads a real file on this machine's disk through the passthrough (O_DIRECT extent) device. Every
-restore is checked against one fresh full prefill (max |diff| reported). Strategies are measured interleaved,
-``repeats`` times, with one probe of the measured bound (bench/bound.py) among them each repeat; medians are
-reported, so drift in machine load hits every strategy and the bound alike. The headline is ``vs_measured_bound``:
-TTFT over the bound built from this run's measurements; the cost model's T* is reported beside it.
+Links are emulated by throttling the pool to ``rho x`` the rate at which recompute produces KV bytes (DESIGN.md §5;
+not the profile, not the calibrated model). Rho's basis (``rho_basis``): "context" (default) — the KV bytes of the
+context over its own recompute TTFT, measured in the same run (one recompute of that context before its points), so
+rho = 1 means loading the context takes as long as recomputing it; "short" — recompute's rate at short context,
+measured warm once at the start of the run (also reported beside the other). The unthrottled run reads a real
+file on this machine's disk through the passthrough (O_DIRECT extent) device. Every restore is checked against
+one fresh full prefill (max |diff| reported), whose KV is also what the pools store. Strategies are measured
+interleaved, ``repeats`` times, with one probe of the measured bound (bench/bound.py) among them each repeat (from
+``once_from`` tokens: recompute run once, one big-step probe, ``long_repeats``); medians are reported, so drift
+in machine load hits every strategy and the bound alike. The headline is ``vs_measured_bound``: TTFT over the
+bound built from this run's measurements; the cost model's T* is reported beside it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import gc
 import math
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -31,7 +36,7 @@ from kvflow.model.runner import ModelRunner
 from kvflow.planner import STRATEGIES
 from kvflow.pool import KVPool
 from kvflow.restorer import Restorer, RestoreResult
-from kvflow.stats import percentile
+from kvflow.stats import paired_ratio, percentile
 
 BASELINES = ("recompute", "load", "load-layerwise", "cake")
 Progress = Callable[[str], None]
@@ -63,18 +68,46 @@ class Bench:
     storage_dtype: str = "float32"   # KV records; only float32 restores exactly
     restorers: dict = field(default_factory=dict)
     recompute_rate: float = 0.0      # KV bytes/s of recompute at short context, measured warm at the start
+    rho_basis: str = "context"       # "context": rho x the context's own recompute rate; "short": x recompute_rate
+    once_from: int = 65536           # contexts this long run recompute once (its first run: rho's basis)
+    long_repeats: int | None = None  # repeats at once_from and beyond (None: as many as shorter contexts)
+    context_rates: dict = field(default_factory=dict)  # context key -> KV bytes/s of recomputing it (measured)
+    first_recompute: dict = field(default_factory=dict)  # context key -> (result, diff, argmax ok) of that run
+    stored: dict = field(default_factory=dict)      # context key -> store / reference prefill times
     links: dict = field(default_factory=dict)       # pool name -> (bytes/s, latency s) the link runs at now
     probes: dict = field(default_factory=dict)      # context key -> what its measured bound was built from
 
-    def set_link(self, pool_name: str, rho: float | None, latency_s: float = 0.0) -> float:
-        """Throttle ``pool_name`` to rho x the measured recompute rate (+ a per-read latency); None: unthrottled
-        (a real disk: its rate is measured with raw O_DIRECT reads when a bound needs it). Returns bytes/s."""
+    def basis_rate(self, key=None) -> float:
+        """Rho's denominator for context ``key``: its own measured recompute rate (rho_basis "context", measured by
+        ``measure_recompute``) or the short-context rate."""
+        if self.rho_basis == "context" and key is not None:
+            return self.measure_recompute(key)
+        return self.recompute_rate
+
+    def measure_recompute(self, key) -> float:
+        """KV bytes/s of recomputing context ``key`` whole: one recompute restore, measured once per run and kept
+        (checked against the reference like every restore; it is recompute's only run at ``once_from`` and
+        beyond)."""
+        if key not in self.context_rates:
+            ctx, query = self.contexts[key]
+            gc.collect()
+            out = self.restorer("memory").restore(ctx, query, "recompute")
+            diff, ok = kv_diff(out, self.refs[key]), out.logits.argmax().item() == self.refs[key][1].argmax().item()
+            out.kv = None
+            self.first_recompute[key] = (out, diff, ok)
+            self.context_rates[key] = ctx.numel() * self.runner.kv_bytes_per_token() / out.timings.ttft_s
+        return self.context_rates[key]
+
+    def set_link(self, pool_name: str, rho: float | None, latency_s: float = 0.0, key=None) -> float:
+        """Throttle ``pool_name`` to rho x the basis rate of context ``key`` (+ a per-read latency); None:
+        unthrottled (a real disk: its rate is measured with raw O_DIRECT reads when a bound needs it). Returns
+        bytes/s."""
         pool = self.pools[pool_name]
         if rho is None:
             pool.set_throttle(None)
             self.links[pool_name] = (None, 0.0)
             return float("nan")
-        rate = rho * self.recompute_rate
+        rate = rho * self.basis_rate(key)
         if latency_s:
             pool.set_throttle(rate, latency_s=latency_s)
         else:
@@ -108,10 +141,15 @@ class Bench:
         ctx = context(n, seed, self.runner.config.vocab_size)
         query = context(self.query_len, seed + 1, self.runner.config.vocab_size)
         self.contexts[key] = (ctx, query)
+        t0 = time.perf_counter()
         self.refs[key] = self.runner.reference_prefill(torch.cat([ctx, query]))
-        for name in self.pools:
+        self.stored[key] = {"reference_s": time.perf_counter() - t0, "store_s": {}, "store_put_over_prefill": {}}
+        for name in self.pools:      # the reference's KV is stored: one full prefill per context, not one per pool
             restorer = self.restorer(name)
-            restorer.store(ctx)
+            st = restorer.store(ctx, kv=self.refs[key][0])
+            self.stored[key]["store_s"][name] = st.seconds
+            self.stored[key]["store_put_over_prefill"][name] = ((st.seconds - st.prefill_s)
+                                                                / self.stored[key]["reference_s"])
             held = self.pools[name].longest_prefix(ctx, self.runner.fingerprint, restorer.groups)
             if held < n // self.chunk_tokens * self.chunk_tokens:
                 raise KVFlowError(f"benchmark pool {name!r} holds {held} of {n} tokens: too small for the contexts")
@@ -125,12 +163,16 @@ class Bench:
 
 def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: int = 256, query_len: int = 32,
                disk_dir: str | None = None, progress: Progress = lambda s: None, store: bool = True,
-               storage_dtype: str = "float32") -> Bench:
+               storage_dtype: str = "float32", rho_basis: str = "context", once_from: int = 65536,
+               long_repeats: int | None = None) -> Bench:
     """A throttled memory pool (two devices, striped) and, with ``disk_dir``, an O_DIRECT extent file there, sized
     for contexts of ``lengths`` (stored now unless ``store`` is false)."""
     kv = runner.kv_bytes_per_token()
     need = ((int(sum(lengths) * kv * 1.3) >> 20) + 64) << 20  # whole MiB: extent devices want aligned sizes
-    bench = Bench(runner, cost, chunk_tokens, query_len, storage_dtype=storage_dtype)
+    if rho_basis not in ("context", "short"):
+        raise KVFlowError(f"unknown rho basis {rho_basis!r}: use context or short")
+    bench = Bench(runner, cost, chunk_tokens, query_len, storage_dtype=storage_dtype, rho_basis=rho_basis,
+                  once_from=once_from, long_repeats=long_repeats)
     progress("measuring the recompute rate (rho's denominator)")
     bench.recompute_rate = recompute_rate(runner, chunk_tokens)
     bench.pools["memory"] = KVPool.memory(need, devices=2, chunk_tokens=chunk_tokens)
@@ -144,7 +186,7 @@ def make_bench(runner: ModelRunner, cost: CostModel, lengths, *, chunk_tokens: i
                                            "devices": [{"type": "extent", "capacity": need, "direct": direct,
                                                         "path": str(Path(bench.tmp.name) / "disk.img")}]})
     for n in sorted(set(lengths)) if store else ():
-        progress(f"storing a {n}-token context (prefill + reference)")
+        progress(f"storing a {n}-token context (its reference prefill, stored in every pool)")
         bench.add_context(n)
     return bench
 
@@ -162,16 +204,25 @@ def measure(bench: Bench, pool_name: str, n: int, strategies, repeats: int, prog
     ctx, query = bench.contexts[n]
     ref_argmax = bench.refs[n][1].argmax().item()
     runs: dict[str, list[tuple[RestoreResult, float, bool]]] = {s: [] for s in strategies}
+    once = n >= bench.once_from and "recompute" in runs      # recompute (no link) runs once, first, at length
+    if once:
+        bench.measure_recompute(n)
+        runs["recompute"].append(bench.first_recompute[n])
     probe = CellProbe(bench.chunk_tokens, bench.runner.num_layers)
-    order = list(strategies) + [PROBE]
+    order = [s for s in strategies if not (once and s == "recompute")] + [PROBE]
     ids = torch.cat([ctx, query])
     step = restorer.planner_config.max_step
+    long = n >= bench.once_from          # each pass is minutes: one probe, big steps only (bound.CellProbe.probe)
+    if long and bench.long_repeats is not None:
+        repeats = bench.long_repeats
     for rep in range(repeats):
         for s in order[rep % len(order):] + order[:rep % len(order)]:
+            if s == PROBE and long and probe.chunks:
+                continue
             progress(f"{label}: {'measuring the bound' if s == PROBE else s} ({rep + 1}/{repeats})")
             gc.collect()
             if s == PROBE:
-                probe.probe(bench.runner, ids, n // bench.chunk_tokens, step)
+                probe.probe(bench.runner, ids, n // bench.chunk_tokens, step, single=not long)
                 continue
             out = restorer.restore(ctx, query, s)
             diff, ok = kv_diff(out, bench.refs[n]), out.logits.argmax().item() == ref_argmax
@@ -197,21 +248,37 @@ def measure(bench: Bench, pool_name: str, n: int, strategies, repeats: int, prog
             "plan": mid.plan.describe(), "chose": mid.plan.notes.get("chose", s),
             "plan_runs": [o.plan.describe() for o, _, _ in outs],      # cacheflow's choice may differ per repeat
             "band": mid.plan.notes.get("band"),
+            "runs": len(outs), "io_busy_s": t.io_util * t.restore_s, "compute_busy_s": t.compute_util * t.restore_s,
             "fallback_chunks": mid.fallback_chunks, "_result": mid,
         }
-    bench.probes[n] = {"link_bytes_per_s": link, "cell_bytes": cell, "measured_bound_s": bound, **probe.summary()}
+    bench.probes[n] = {"link_bytes_per_s": link, "cell_bytes": cell, "measured_bound_s": bound,
+                       "context_recompute_rate_mib_s": bench.context_rates.get(n, float("nan")) / 2**20,
+                       "short_recompute_rate_mib_s": bench.recompute_rate / 2**20, **bench.stored.get(n, {}),
+                       **probe.summary()}
     return rows
+
+
+PAIRED = ("cake", "token")
 
 
 def speedups(rows: dict[str, dict]) -> dict:
     """cacheflow against each other strategy, and how far this point can resolve a difference: ``repeat_spread`` is
     the median, over strategies, of max / min of one strategy's repeats (the same plan run again); when cacheflow
-    chose the best other's plan (``same_plan_as_best``) their ratio is that noise plus cacheflow's planning time."""
+    chose the best other's plan (``same_plan_as_best``) their ratio is that noise plus cacheflow's planning time.
+    ``paired``: cacheflow's TTFT over cake's and token's as the paired ratio of interleaved repeats with its 95%
+    interval (stats.paired_ratio; < 1: cacheflow faster)."""
+    if "cacheflow" not in rows or len(rows) < 2:
+        return {"vs": {}, "paired": {}}
     cf = rows["cacheflow"]["ttft_s"]
     others = {s: r["ttft_s"] for s, r in rows.items() if s != "cacheflow"}
     best = min(others, key=others.get)
     spreads = [max(r["ttft_runs"]) / min(r["ttft_runs"]) for r in rows.values() if min(r["ttft_runs"]) > 0]
-    return {"vs": {s: t / cf for s, t in others.items()}, "best_other": best,
+    paired = {}
+    for s in PAIRED:
+        if s in rows and len(rows[s]["ttft_runs"]) == len(rows["cacheflow"]["ttft_runs"]):
+            pr = paired_ratio(rows["cacheflow"]["ttft_runs"], rows[s]["ttft_runs"])
+            paired[s] = {"ratio": pr.ratio, "lo": pr.lo, "hi": pr.hi, "pairs": pr.pairs}
+    return {"vs": {s: t / cf for s, t in others.items()}, "best_other": best, "paired": paired,
             "cacheflow_vs_best_other": cf / others[best],
             "same_plan_as_best": rows["cacheflow"]["chose"] == best,
             "repeat_spread": statistics.median(spreads) if spreads else float("nan")}
@@ -228,7 +295,7 @@ def sweep_rho(bench: Bench, n: int, rhos, strategies, repeats: int, progress: Pr
     has one."""
     points = []
     for rho, latency in [(r, 0.0) for r in rhos] + [(1.0, lat) for lat in latencies]:
-        rate = bench.set_link("memory", rho, latency)
+        rate = bench.set_link("memory", rho, latency, key=n)
         label = f"{n} tokens, rho={rho:g}" + (f", {latency * 1e6:.0f} us/read" if latency else "")
         rows = measure(bench, "memory", n, strategies, repeats, progress, label)
         points.append({"rho": rho, "latency_s": latency, "link_bytes_per_s": rate,
@@ -239,15 +306,15 @@ def sweep_rho(bench: Bench, n: int, rhos, strategies, repeats: int, progress: Pr
         bench.set_link("disk", None)
         rows = measure(bench, "disk", n, strategies, max(3 * repeats, 7), progress, f"{n} tokens, real disk")
         link = bench.probes[n]["link_bytes_per_s"]
-        points.append({"rho": link / bench.recompute_rate, "latency_s": 0.0, "link_bytes_per_s": link,
+        points.append({"rho": link / bench.basis_rate(n), "latency_s": 0.0, "link_bytes_per_s": link,
                        "pool": "disk (unthrottled, O_DIRECT)", "context": n, "rows": rows, "bound": bench.probes[n]})
     return points
 
 
 def sweep_length(bench: Bench, lengths, rho: float, strategies, repeats: int, progress: Progress) -> list[dict]:
-    rate = bench.set_link("memory", rho)
     points = []
     for n in lengths:
+        rate = bench.set_link("memory", rho, key=n)
         rows = measure(bench, "memory", n, strategies, repeats, progress, f"{n} tokens, rho={rho:g}")
         points.append({"rho": rho, "latency_s": 0.0, "link_bytes_per_s": rate, "pool": "memory (throttled)",
                        "context": n, "rows": rows, "bound": bench.probes[n]})
@@ -257,6 +324,8 @@ def sweep_length(bench: Bench, lengths, rho: float, strategies, repeats: int, pr
 def crossover(points: list[dict]) -> dict:
     """Measured: the shortest context from which token split beats layer split (and stays ahead)."""
     by_len = sorted(points, key=lambda p: p["context"])
+    if not {"token", "layer", "cacheflow"} <= set(by_len[0]["rows"]) if by_len else True:
+        return {"measured_tokens": None, "points": [], "note": "token, layer and cacheflow were not all run"}
     token_wins = [p["rows"]["token"]["ttft_s"] < p["rows"]["layer"]["ttft_s"] for p in by_len]
     measured = None
     for i in range(len(by_len)):
@@ -388,19 +457,26 @@ def plot_rho(points: list[dict], path: Path, title: str) -> None:
 
 
 def plot_lengths(points: list[dict], path: Path, title: str) -> None:
-    """TTFT / measured bound of every strategy vs context length: where layer split stops paying."""
+    """TTFT of every strategy vs context length (log-log) with the measured bound dashed, and TTFT / bound."""
     lens = [p["context"] for p in points]
 
     def draw(axes):
-        (ax,) = axes
+        ax, rel = axes
         for s in points[0]["rows"]:
-            ax.plot(lens, [p["rows"][s]["vs_measured_bound"] for p in points],
-                    marker="o", label=s, lw=2.5 if s == "cacheflow" else 1.2)
+            lw = 2.5 if s == "cacheflow" else 1.2
+            ax.plot(lens, [p["rows"][s]["ttft_s"] for p in points], marker="o", label=s, lw=lw)
+            rel.plot(lens, [p["rows"][s]["vs_measured_bound"] for p in points], marker="o", label=s, lw=lw)
+        ax.plot(lens, [p["bound"]["measured_bound_s"] for p in points], "k--", lw=1, label="measured bound")
         ax.set_xscale("log", base=2)
-        ax.set(xlabel="context tokens", ylabel="TTFT / measured bound", title=title)
+        ax.set_yscale("log")
+        ax.set(xlabel="context tokens", ylabel="TTFT (s)", title=title)
+        rel.set_xscale("log", base=2)
+        rel.axhline(1.0, color="k", ls="--", lw=0.8)
+        rel.set(xlabel="context tokens", ylabel="TTFT / measured bound")
         ax.legend(fontsize=7)
+        rel.legend(fontsize=7)
 
-    save_figure(path, draw, size=(7.0, 4.5))
+    save_figure(path, draw, panels=2, size=(6.0, 4.5))
 
 
 def plot_batch(results: list[dict], path: Path, title: str) -> None:
@@ -434,3 +510,138 @@ def jsonable(data):
 __all__ = ["BASELINES", "STRATEGIES", "Bench", "make_bench", "measure", "sweep_rho", "sweep_length", "crossover",
            "speedups", "measure_batch", "batch_lengths", "plot_rho", "plot_lengths", "plot_batch", "jsonable",
            "public"]
+
+
+# ------------------------------------------------------------------------------------------ planning at length
+def planning_at_length(runner: ModelRunner, cost: CostModel, lengths, *, rho: float = 1.0, query_len: int = 32,
+                       chunk_tokens: int = 256, batch: tuple[int, int] = (8, 32768), repeats: int = 3) -> dict:
+    """Planning time of every strategy against the TTFT it plans, from the cost model alone (no compute, no pool):
+    the link at rho x the KV bytes/s of recomputing each context as the model predicts it (rho's "context" basis);
+    and the batch scheduler on ``batch`` = (requests, tokens each). Times are the fastest of ``repeats``."""
+    from kvflow.chunks.record import HEADER_SIZE
+    from kvflow.planner import IOModel, Planner, Request
+    from kvflow.planner.batch import plan_batch
+
+    L, C = runner.num_layers, chunk_tokens
+    cell = C * runner.shape.kv_bytes_per_token_layer("float32") + HEADER_SIZE
+
+    def planner_for(n: int) -> Planner:
+        free = Planner(cost, IOModel(float("inf"), cell), L, C)
+        recompute = free.plan("recompute", Request(n, query_len, n // C)).predicted.ttft_s
+        return Planner(cost, IOModel(rho * n * runner.kv_bytes_per_token() / recompute, cell), L, C)
+
+    def timed(fn):
+        best, out = float("inf"), None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = fn()
+            best = min(best, time.perf_counter() - t0)
+        return best, out
+
+    points = []
+    for n in lengths:
+        planner, req = planner_for(n), Request(n, query_len, n // C)
+        rows = []
+        for s in STRATEGIES:
+            plan_s, plan = timed(lambda: planner.plan(s, req))
+            rows.append({"strategy": s, "plan_s": plan_s, "predicted_ttft_s": plan.predicted.ttft_s,
+                         "share_of_ttft": plan_s / plan.predicted.ttft_s, "plan": plan.describe()})
+        points.append({"context": n, "cells": (n // C) * L, "rows": rows})
+    size, n = batch
+    planner = planner_for(n)
+    reqs = [Request(n, query_len, n // C) for _ in range(size)]
+    plan_s, bp = timed(lambda: plan_batch(planner, reqs))
+    return {"rho": rho, "lengths": points,
+            "batch": {"requests": size, "context": n, "plan_s": plan_s, "first_ttft_s": min(bp.predicted_ttft),
+                      "mean_ttft_s": statistics.mean(bp.predicted_ttft),
+                      "share_of_first_ttft": plan_s / min(bp.predicted_ttft)}}
+
+
+# --------------------------------------------------------------------------------------------- bounded memory
+def memory_point(model: str, n: int, pool_dir: str, phase: str, strategy: str = "cacheflow", rho: float = 1.0,
+                 query_len: int = 32, chunk_tokens: int = 256, exact: bool = True) -> dict:
+    """One phase of the peak-RSS measurement of a restore of an ``n``-token context (``memory_points`` runs each
+    in a fresh child, so a peak is that phase's own): "store" prefills the context into an O_DIRECT extent file
+    under ``pool_dir`` (the pool is not resident); "restore" opens that pool, notes its RSS (interpreter, torch,
+    weights, index), restores once with the link at rho x the KV bytes/s the cost model predicts for recomputing
+    the context, and reads VmHWM when the restore returns. Exactness is checked after the peak is read: the
+    reference prefill's own KV is not counted."""
+    from kvflow.cli.restore_cmds import ensure_cost
+    from kvflow.model import load_model
+    from kvflow.stats import proc_status_bytes, rss_bytes
+
+    runner = load_model(model)
+    runner.check_context_len(n + query_len)
+    cost = ensure_cost(runner, n + query_len)
+    need = ((int(n * runner.kv_bytes_per_token() * 1.3) >> 20) + 64) << 20
+    pool = KVPool.open({"chunk_tokens": chunk_tokens, "durability": "relaxed",
+                        "index_dir": str(Path(pool_dir) / "index"),
+                        "devices": [{"type": "extent", "capacity": need, "direct": odirect_supported(pool_dir),
+                                     "path": str(Path(pool_dir) / "disk.img")}]})
+    try:
+        restorer = Restorer(runner, pool, cost=cost)
+        ctx = context(n, n, runner.config.vocab_size)
+        query = context(query_len, n + 1, runner.config.vocab_size)
+        if phase == "store":
+            t0 = time.perf_counter()
+            stored = restorer.store(ctx)
+            return {"store_s": time.perf_counter() - t0, "bytes": stored.bytes_written,
+                    "store_put_over_prefill": (stored.seconds - stored.prefill_s) / max(stored.prefill_s, 1e-9)}
+        recompute = restorer.planner().plan("recompute", restorer.lookup(ctx, query_len)[0]).predicted.ttft_s
+        pool.set_throttle(rho * n * runner.kv_bytes_per_token() / recompute)
+        weights = runner.num_parameters * runner.dtype.itemsize
+        kv = (n + query_len) * runner.kv_bytes_per_token()
+        gc.collect()
+        base = rss_bytes()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                                      # VmHWM := VmRSS now
+        out = restorer.restore(ctx, query, strategy)
+        peak = proc_status_bytes("VmHWM:")
+        result = {"model": model, "context": n, "strategy": strategy, "plan": out.plan.describe(),
+                  "ttft_s": out.timings.ttft_s, "rss_before_restore": base, "peak_rss": peak, "kv_bytes": kv,
+                  "weights_bytes": weights,
+                  # what the restore added, over the KV it must hold; and the whole process over KV + weights
+                  # (the interpreter, torch and the index: rss_before_restore - weights)
+                  "restore_growth_over_kv": (peak - base) / kv,
+                  "peak_over_kv_weights": (peak - base + weights) / (kv + weights),
+                  "peak_raw_over_kv_plus_before": peak / (kv + base)}
+        if exact:
+            ref_kv, ref_logits = runner.reference_prefill(torch.cat([ctx, query]))
+            worst = (out.logits - ref_logits).abs().max().item()
+            for (k, v), (rk, rv) in zip(out.kv, ref_kv):
+                worst = max(worst, (k - rk).abs().max().item(), (v - rv).abs().max().item())
+            result["max_abs_diff"] = worst
+            result["argmax_ok"] = out.logits.argmax().item() == ref_logits.argmax().item()
+        return result
+    finally:
+        pool.close()
+
+
+def memory_points(model: str, lengths, strategy: str = "cacheflow", progress: Progress = lambda s: None,
+                  disk_dir: str | None = None, exact_below: int = 65536) -> list[dict]:
+    """Peak RSS of one restore at each length: the context stored by one child, restored by a fresh one; checked
+    against a reference prefill below ``exact_below`` tokens (beyond, that prefill alone is minutes; the restore
+    bench checks every restore it times at those lengths)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def child(n: int, tmp: str, phase: str) -> dict:
+        code = ("import json; from kvflow.bench.restore_bench import memory_point; "
+                f"print(json.dumps(memory_point({model!r}, {n}, {tmp!r}, {phase!r}, {strategy!r}, "
+                f"exact={n < exact_below})))")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
+        if done.returncode != 0:
+            raise KVFlowError(f"memory point {n} ({phase}): {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    points = []
+    for n in lengths:
+        with tempfile.TemporaryDirectory(prefix="kvflow-mem-", dir=disk_dir) as tmp:
+            progress(f"memory: storing a {n}-token context (child process)")
+            stored = child(n, tmp, "store")
+            progress(f"memory: peak RSS of a {n}-token {strategy} restore (fresh child process)")
+            points.append({**child(n, tmp, "restore"), "store_s": stored["store_s"],
+                           "store_put_over_prefill": stored["store_put_over_prefill"]})
+    return points

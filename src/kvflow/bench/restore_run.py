@@ -35,6 +35,12 @@ class RestoreRunOptions:
     gbps: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
     out: Path | None = None
+    strategies: list[str] = field(default_factory=list)   # empty: every strategy
+    rho_basis: str = "context"       # rho x the context's own recompute rate, or x the short-context rate ("short")
+    once_from: int = 65536           # contexts this long run recompute once, one big-step bound probe
+    long_repeats: int | None = None  # repeats of the other strategies there (None: ``repeats``)
+    planning: bool = False           # only time the planners at ``lengths`` (+ a batch of 8 x 32K): no compute
+    memory: bool = False             # only the peak RSS of one cacheflow restore at each of ``lengths``
 
 
 @dataclass(slots=True)
@@ -61,12 +67,19 @@ def restore_run(o: RestoreRunOptions, cost_for: Callable) -> RestoreRun:
     folder = out_dir("bench-restore", o.out)
     status(f"building {o.model}")
     runner = load_model(o.model)
-    longest = max([o.context_len, *o.lengths] + ([8192] if o.batch_sizes else []))
+    longest = max([o.context_len, *o.lengths] + ([8192] if o.batch_sizes else []) + ([32768] if o.planning else []))
     runner.check_context_len(longest + o.query_len)     # before any profile or allocation
     cost = cost_for(runner, longest)
     result: dict = {"model": o.model, "chunk_tokens": 256, "query": o.query_len, "repeats": o.repeats,
                     "threads": cost.threads, "profiled_recompute_rate_mib_s": cost.short_context_rate() / 2**20}
-    if o.batch_sizes:
+    if o.memory:
+        result["memory"] = rb.memory_points(o.model, o.lengths, progress=status, disk_dir=str(folder),
+                                            exact_below=o.once_from)
+        write_json(folder / "memory.json", rb.jsonable(result))
+    elif o.planning:
+        result["planning"] = rb.planning_at_length(runner, cost, o.lengths, query_len=o.query_len)
+        write_json(folder / "planning.json", rb.jsonable(result))
+    elif o.batch_sizes:
         _batches(o, runner, cost, result, folder)
         write_json(folder / "restore-batch.json", rb.jsonable(result))
     else:
@@ -92,22 +105,27 @@ def _sweeps(o: RestoreRunOptions, runner, cost, result: dict, folder: Path) -> N
     from kvflow.planner import STRATEGIES
 
     rho_list, n = list(o.rhos), o.context_len
+    strategies = tuple(o.strategies) or STRATEGIES
     bench = rb.make_bench(runner, cost, [n, *o.lengths], query_len=o.query_len,
-                          disk_dir=str(folder) if o.disk else None, progress=status)
+                          disk_dir=str(folder) if o.disk else None, progress=status, rho_basis=o.rho_basis,
+                          once_from=o.once_from, long_repeats=o.long_repeats)
     try:
         result["recompute_rate_mib_s"] = bench.recompute_rate / 2**20
+        result["rho_basis"], result["strategies"], result["recompute_once_from"] = (o.rho_basis, list(strategies),
+                                                                                    o.once_from)
         if o.gbps:               # the same sweep, its points named by link rate: rho follows from this run's rate
-            rho_list = [g * 1e9 / 8 / bench.recompute_rate for g in o.gbps]
+            rho_list = [g * 1e9 / 8 / bench.basis_rate(n) for g in o.gbps]
             result["gbps"] = o.gbps
             status("links " + ", ".join(f"{g:g} Gbps = rho {r:.3g}" for g, r in zip(o.gbps, rho_list)))
-        result["rho_sweep"] = rb.sweep_rho(bench, n, rho_list, STRATEGIES, o.repeats, status, o.latencies)
+        result["rho_sweep"] = rb.sweep_rho(bench, n, rho_list, strategies, o.repeats, status, o.latencies)
         # the rho = 1 point of the sweep is the length sweep's point at context_len: measured once
         reuse = next((p for p in result["rho_sweep"] if p["rho"] == 1.0 and not p["latency_s"]
                       and p["pool"].startswith("memory")), None) if n in o.lengths else None
         short = [m for m in o.lengths if m != n or reuse is None]
-        result["length_sweep"] = sorted(rb.sweep_length(bench, sorted(short), 1.0, STRATEGIES, o.repeats, status)
+        result["length_sweep"] = sorted(rb.sweep_length(bench, sorted(short), 1.0, strategies, o.repeats, status)
                                         + ([reuse] if reuse is not None else []), key=lambda p: p["context"])
-        bench.set_link("memory", 1.0)
+        result["context_recompute_rate_mib_s"] = {k: v / 2**20 for k, v in bench.context_rates.items()}
+        bench.set_link("memory", 1.0, key=n)
         predicted_crossover = bench.restorer("memory").planner().crossover_length(o.query_len)
     finally:
         bench.close()
@@ -117,25 +135,52 @@ def _sweeps(o: RestoreRunOptions, runner, cost, result: dict, folder: Path) -> N
     result["crossover"] = rb.crossover(result["length_sweep"])
     result["crossover"]["predicted_tokens"] = predicted_crossover
     one = next(p for p in result["rho_sweep"] if p["rho"] == 1.0) if 1.0 in rho_list else result["rho_sweep"][0]
-    cf = one["rows"]["cacheflow"]
-    rb.plot_rho(result["rho_sweep"], folder / "rho-sweep.png", f"{o.model}, {n} tokens")
-    rb.plot_lengths(result["length_sweep"], folder / "length-sweep.png", f"{o.model}, rho=1")
-    plot_timeline(cf["_result"].timeline, folder / "timeline.png",
-                  f"cacheflow, {n} tokens, rho={one['rho']:g}: {cf['plan']}", 256)
-    result["acceptance"] = _acceptance(result, one)
+    basis = "its own recompute" if o.rho_basis == "context" else "short-context recompute"
+    rb.plot_rho(result["rho_sweep"], folder / "rho-sweep.png", f"{o.model}, {n} tokens (rho vs {basis})")
+    rb.plot_lengths(result["length_sweep"], folder / "length-sweep.png", f"{o.model}, rho=1 (vs {basis})")
+    result["lead_by_length"] = _lead_by_length(result["length_sweep"])
+    if "cacheflow" in one["rows"]:
+        cf = one["rows"]["cacheflow"]
+        plot_timeline(cf["_result"].timeline, folder / "timeline.png",
+                      f"cacheflow, {n} tokens, rho={one['rho']:g}: {cf['plan']}", 256)
+        result["acceptance"] = _acceptance(result, one)
     for point in points:
         point["rows"] = rb.public(point["rows"])
+
+
+def _lead_by_length(points: list[dict]) -> dict:
+    """cacheflow's paired ratio to cake and to token at each length (< 1: cacheflow faster), and whether its lead
+    grows with length (each ratio no larger than the one before, by the point estimate) — where it does not, the
+    length table says so."""
+    out = {}
+    for s in rb.PAIRED:
+        at = [(p["context"], p["speedups"]["paired"].get(s)) for p in points]
+        at = [(n, r) for n, r in at if r is not None]
+        if not at:
+            continue
+        ratios = [r["ratio"] for _, r in at]
+        out[s] = {"points": [{"context": n, **r} for n, r in at],
+                  "grows": all(b <= a for a, b in zip(ratios, ratios[1:]))}
+    return out
 
 
 def _acceptance(result: dict, one: dict) -> dict:
     rows = one["rows"]
     cf = rows["cacheflow"]["ttft_s"]
-    worst_at = max(result["rho_sweep"], key=lambda p: p["speedups"]["cacheflow_vs_best_other"])
+    worst_at = max(result["rho_sweep"], key=lambda p: p["speedups"].get("cacheflow_vs_best_other", 0.0))
     cross = result["crossover"]["points"]
+    nan = {"ttft_s": float("nan")}
+    paired = {f"rho1_cacheflow_vs_{s}_paired": f"{p['ratio']:.3f} " + (f"[{p['lo']:.3f}, {p['hi']:.3f}] "
+                                                                        f"({p['pairs']} pairs)" if p["pairs"] > 1
+                                                                        else "(1 pair: no interval)")
+              for s, p in one["speedups"]["paired"].items()}
     return {
         "headline_rho": one["rho"],      # the rho1_* figures' point: rho = 1 when swept, else the first swept rho
-        "rho1_cacheflow_vs_min_recompute_load": cf / min(rows["recompute"]["ttft_s"], rows["load"]["ttft_s"]),
-        "rho1_cacheflow_vs_cake": cf / rows["cake"]["ttft_s"],
+        "rho_basis": result["rho_basis"],
+        "rho1_cacheflow_vs_min_recompute_load": cf / min(rows.get("recompute", nan)["ttft_s"],
+                                                         rows.get("load", nan)["ttft_s"]),
+        "rho1_cacheflow_vs_cake": cf / rows.get("cake", nan)["ttft_s"],
+        **paired,
         "rho1_cacheflow_vs_measured_bound": rows["cacheflow"]["vs_measured_bound"],
         "rho1_cacheflow_vs_model_bound": rows["cacheflow"]["vs_model_bound"],
         "rho1_cacheflow_vs_best_other": one["speedups"]["cacheflow_vs_best_other"],
@@ -143,10 +188,10 @@ def _acceptance(result: dict, one: dict) -> dict:
         "rho1_io_util": rows["cacheflow"]["io_util"],
         "rho1_prefix_lookup_share_of_ttft": rows["cacheflow"]["lookup_s"] / cf,
         "rho1_planning_share_of_ttft": rows["cacheflow"]["plan_s"] / cf,
-        "worst_cacheflow_vs_best_other_over_sweep": worst_at["speedups"]["cacheflow_vs_best_other"],
+        "worst_cacheflow_vs_best_other_over_sweep": worst_at["speedups"].get("cacheflow_vs_best_other"),
         "worst_point": f"{worst_at['pool']}, rho={worst_at['rho']:.3g}",
-        "worst_point_same_plan_as_best": worst_at["speedups"]["same_plan_as_best"],
-        "median_repeat_spread_over_sweep": statistics.median(p["speedups"]["repeat_spread"]
+        "worst_point_same_plan_as_best": worst_at["speedups"].get("same_plan_as_best"),
+        "median_repeat_spread_over_sweep": statistics.median(p["speedups"].get("repeat_spread", float("nan"))
                                                              for p in result["rho_sweep"]),
         "crossover_tokens": result["crossover"]["measured_tokens"],
         "cacheflow_vs_faster_side_at_each_length": [p["cacheflow_s"] / p["faster_side_s"] for p in cross],
@@ -158,6 +203,14 @@ def _acceptance(result: dict, one: dict) -> dict:
 def print_restore_run(run: RestoreRun) -> None:
     """The tables of a finished run and where its files are."""
     res = run.results
+    if "memory" in res:
+        _print_memory(res["memory"])
+        console.print(f"JSON in {run.folder}")
+        return
+    if "planning" in res:
+        _print_planning(res["planning"])
+        console.print(f"JSON in {run.folder}")
+        return
     if run.batches:
         for batch in res["batches"]:
             _print_batch(batch)
@@ -168,23 +221,77 @@ def print_restore_run(run: RestoreRun) -> None:
                                      f"rho={point['rho']:.3g} (link {point['link_bytes_per_s'] / 2**20:,.1f} MiB/s)",
                                      {r["strategy"]: r for r in point["rows"]}))
     _print_lengths(res)
-    _print_acceptance(res["acceptance"])
+    if "acceptance" in res:
+        _print_acceptance(res["acceptance"])
     console.print(f"JSON + PNG (rho-sweep, length-sweep, timeline) in {run.folder}")
 
 
 def _print_lengths(result: dict) -> None:
-    table = Table(title="context length sweep at rho=1 (TTFT s) — where layer split stops paying")
+    once = result["recompute_once_from"]
+    basis = "each context's" if result["rho_basis"] == "context" else "short-context"
+    table = Table(title=f"context length sweep at rho=1, rho vs {basis} recompute (TTFT s; recompute one run "
+                        f"at >= {once} tokens)")
     points = result["length_sweep"]
     strategies = [r["strategy"] for r in points[0]["rows"]]
     table.add_column("context", justify="right")
     for s in strategies:
         table.add_column(s, justify="right")
-    table.add_column("cacheflow chose")
+    for col in ("bound", "cf compute/I/O busy", "cf blocked I/O s", "cf/cake [95%]", "cf/token [95%]",
+                "cacheflow chose"):
+        table.add_column(col, justify="right" if col != "cacheflow chose" else "left")
     for p in points:
         rows = {r["strategy"]: r for r in p["rows"]}
-        table.add_row(str(p["context"]), *[f"{rows[s]['ttft_s']:.3f}" for s in strategies], rows["cacheflow"]["chose"])
+        cf = rows.get("cacheflow")
+        paired = p["speedups"].get("paired", {})
+
+        def pr(s):
+            r = paired.get(s)
+            return "—" if r is None else (f"{r['ratio']:.3f}" + (f" [{r['lo']:.3f}, {r['hi']:.3f}]"
+                                                                  if r["pairs"] > 1 else " (1 pair)"))
+        table.add_row(str(p["context"]), *[f"{rows[s]['ttft_s']:.3f}" + ("¹" if rows[s]["runs"] == 1 else "")
+                                           for s in strategies],
+                      f"{p['bound']['measured_bound_s']:.3f}",
+                      f"{cf['compute_util']:.0%}/{cf['io_util']:.0%}" if cf else "—",
+                      f"{cf['blocked_io_s']:.3f}" if cf else "—", pr("cake"), pr("token"),
+                      cf["chose"] if cf else "—")
     console.print(table)
-    console.print(f"measured crossover (token split beats layer split from): {result['crossover']['measured_tokens']}")
+    console.print("¹ one run (no interval); cf/x: cacheflow's TTFT over x, paired over interleaved repeats (< 1: "
+                  "cacheflow faster)")
+    for s, lead in result.get("lead_by_length", {}).items():
+        if not lead["grows"]:
+            console.print(f"cacheflow's lead over {s} does NOT grow with length here: "
+                          + ", ".join(f"{q['context']}: {q['ratio']:.3f}" for q in lead["points"]))
+    if result["crossover"]["measured_tokens"] is not None or result["crossover"]["points"]:
+        console.print(f"measured crossover (token split beats layer split from): "
+                      f"{result['crossover']['measured_tokens']}")
+
+
+def _print_memory(points: list[dict]) -> None:
+    table = Table(title="peak RSS of one cacheflow restore (fresh process per length; context on an O_DIRECT file)")
+    for col in ("context", "KV MiB", "weights MiB", "RSS before MiB", "peak MiB", "growth / KV",
+                "(growth + weights) / (KV + weights)", "store put / prefill", "max |diff|"):
+        table.add_column(col, justify="right")
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    for p in points:
+        table.add_row(str(p["context"]), mib(p["kv_bytes"]), mib(p["weights_bytes"]), mib(p["rss_before_restore"]),
+                      mib(p["peak_rss"]), f"{p['restore_growth_over_kv']:.2f}", f"{p['peak_over_kv_weights']:.2f}",
+                      f"{p['store_put_over_prefill']:.3f}", f"{p.get('max_abs_diff', float('nan')):.1e}")
+    console.print(table)
+
+
+def _print_planning(pl: dict) -> None:
+    table = Table(title=f"planning time at length (cost model only, rho={pl['rho']:g} vs each context's predicted "
+                        f"recompute): ms / share of the TTFT planned")
+    table.add_column("strategy")
+    for p in pl["lengths"]:
+        table.add_column(f"{p['context']} ({p['cells']} cells)", justify="right")
+    for i, row in enumerate(pl["lengths"][0]["rows"]):
+        table.add_row(row["strategy"], *(f"{p['rows'][i]['plan_s'] * 1e3:.1f} / {p['rows'][i]['share_of_ttft']:.3%}"
+                                         for p in pl["lengths"]))
+    console.print(table)
+    b = pl["batch"]
+    console.print(f"batch scheduler, {b['requests']} requests of {b['context']}: planned in {b['plan_s'] * 1e3:.1f} ms"
+                  f" = {b['share_of_first_ttft']:.2%} of the first predicted TTFT ({b['first_ttft_s']:.1f} s)")
 
 
 def _print_acceptance(acc: dict) -> None:

@@ -153,7 +153,11 @@ def bench_pool(quick: bool = typer.Option(False, "--quick", help="small sizes, o
                loop_caps: str = typer.Option("1,1,2,4", help="loops: relative kernel caps, one per loop device"),
                loop_base: float = typer.Option(25.0, help="loops: MiB/s of cap 1 (read and write)"),
                loop_data: Optional[int] = typer.Option(None, help="loops: MiB stored per placement "
-                                                                  "(default 256, --quick 128)")) -> None:
+                                                                  "(default 256, --quick 128)"),
+               context: Optional[int] = typer.Option(None, min=256, help="long: one context of this many tokens "
+                                                                          "(e.g. 131072) on the disk pool and on "
+                                                                          "memory + disk; alone unless --only"),
+               kv_bytes_per_token: int = typer.Option(12 * 1024, min=64, help="long: KV bytes per token")) -> None:
     """Striping vs sum of devices vs equal/overflow (token-bucket check, and on kernel-capped loop devices kvflow
     must probe); passthrough vs files on the real disk; lookup cost; a memory + disk pool."""
     from kvflow.bench import pool_bench
@@ -162,8 +166,11 @@ def bench_pool(quick: bool = typer.Option(False, "--quick", help="small sizes, o
     if disk_dir is not None and not disk_dir.is_dir():
         raise ConfigError(f"--disk-dir {disk_dir} is not a folder")
     sections, loops = parse_options(only, loop_caps, loop_base, loop_data, quick)
+    if context is not None and only is None:
+        sections = ("long",)
     console = Console(stderr=True)
     pool_bench.bench(out_dir("pool", out), quick=quick, disk_dir=str(disk_dir) if disk_dir else None,
                      record_kib=record_kib, progress=lambda s: console.log(s) if not as_json else None,
-                     sections=sections, loops=loops, command=" ".join(["kvflow", *sys.argv[1:]])
+                     sections=sections, loops=loops, context=context, kv_bytes_per_token=kv_bytes_per_token,
+                     command=" ".join(["kvflow", *sys.argv[1:]])
                      if Path(sys.argv[0]).name == "kvflow" else None).report(as_json)

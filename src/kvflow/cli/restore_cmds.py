@@ -112,12 +112,26 @@ def bench_restore(
                                                           "each becomes rho = link / the recompute rate measured at "
                                                           "the start of the run"),
     batch: Optional[str] = typer.Option(None, help="batch sizes, e.g. 2,4,8: run the batch benchmark instead"),
+    strategies: str = typer.Option("", help="strategies to run, e.g. cacheflow,cake,token,load,recompute (default: "
+                                            "all)"),
+    rho_basis: str = typer.Option("context", help="context: the link runs at rho x the KV bytes/s of recomputing "
+                                                 "that context (measured in the run; rho=1: loading takes as long "
+                                                 "as recomputing it); short: x recompute's rate at short context"),
+    once_from: int = typer.Option(65536, min=1, help="contexts of at least this many tokens run recompute once "
+                                                    "and one bound probe (big steps only)"),
+    long_repeats: Optional[int] = typer.Option(None, min=1, help="repeats of the other strategies at --once-from "
+                                                                  "and beyond (default: --repeats)"),
+    memory: bool = typer.Option(False, "--memory", help="only the peak RSS of one cacheflow restore at each of "
+                                                       "--lengths (a fresh child process per length)"),
+    planning: bool = typer.Option(False, "--planning", help="only time every planner at --lengths (and the batch "
+                                                           "scheduler on 8 x 32K) from the cost model: no compute"),
     quick: bool = typer.Option(False, "--quick", help="small model and contexts: a smoke run in about a minute"),
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/bench-restore-<time>)"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON result instead of tables"),
 ) -> None:
     """TTFT of every strategy vs rho and context length (+ batches); ratios measured side by side."""
     from kvflow.bench.restore_run import RestoreRunOptions, print_restore_run, restore_run
+    from kvflow.planner import STRATEGIES
     from kvflow.pool.devices.throttle import MAX_LATENCY_S
 
     if quick:
@@ -125,9 +139,18 @@ def bench_restore(
     rho_list = comma_list(rhos, float, "--rho", MAX_RHO)
     gbps_list = comma_list(gbps, float, "--gbps", 1e5) if gbps else []
     latencies = comma_list(latency, float, "--latency", MAX_LATENCY_S) if latency.strip() else []
+    chosen = [x.strip() for x in strategies.split(",") if x.strip()]
+    unknown = [s for s in chosen if s not in STRATEGIES]
+    if unknown:
+        raise KVFlowError(f"unknown --strategies {', '.join(unknown)}: use some of {', '.join(STRATEGIES)}")
+    if rho_basis not in ("context", "short"):
+        raise KVFlowError(f"--rho-basis must be context or short, got {rho_basis!r}")
     run = restore_run(RestoreRunOptions(model, context_len, rho_list, comma_list(lengths, int, "--lengths"), query_len,
                                         repeats, latencies, disk, gbps_list,
-                                        comma_list(batch, int, "--batch", 256) if batch else [], out),
+                                        comma_list(batch, int, "--batch", 256) if batch else [], out,
+                                        strategies=[s for s in STRATEGIES if s in chosen], rho_basis=rho_basis,
+                                        once_from=once_from, long_repeats=long_repeats, planning=planning,
+                                        memory=memory),
                       cost_for=ensure_cost)
     if as_json:
         print(json.dumps(run.to_json(), indent=2))
