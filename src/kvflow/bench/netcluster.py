@@ -114,6 +114,7 @@ class NetCluster:
     netem: bool = False
     owner: int | None = None                       # the pid whose exit makes the run stale (None: manual `up`)
     _heirs: dict[str, list[str]] = field(default_factory=dict)
+    _home: int | None = None                       # fd of the namespace ``enter`` left
 
     # -- names ----------------------------------------------------------------------------------------------------
     @property
@@ -221,6 +222,7 @@ class NetCluster:
     def stop(self) -> None:
         """Kill every process of the run (ours, then anything else inside its namespaces), delete its namespaces
         (their veths go with them) and its folder. Harmless twice."""
+        self.leave()
         for host in list(self.procs):
             self.procs.pop(host).kill()
         if self.run:
@@ -283,6 +285,23 @@ class NetCluster:
     def replicas_of(self, master: str) -> list[str]:
         """Live hosts replicating ``master`` now."""
         return [h for h in self.live if self.master_of(h) == master]
+
+    def wait_replicated(self, timeout_s: float = 60) -> None:
+        """Until every live replica has applied its master's whole replication stream (offsets equal): what was
+        written survives a master's death, and no replication traffic shares the masters' links any more."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            lag = 0
+            for m in self.masters_now():
+                info = dict(l.split(":", 1) for l in self.cli(m, "info", "replication").split() if ":" in l)
+                top = int(info.get("master_repl_offset", 0))
+                offsets = [int(dict(kv.split("=") for kv in v.split(",")).get("offset", -1))
+                           for k, v in info.items() if k.startswith("slave") and k[5:].isdigit()]
+                lag += sum(top - o for o in offsets) + (0 if offsets or not self.replicas_of(m) else 1)
+            if lag == 0:
+                return
+            time.sleep(0.05)
+        raise ClusterError(f"replicas did not catch up in {timeout_s:.0f} s")
 
     def kill(self, host: str) -> None:
         """SIGKILL ``host``'s redis-server (a crash); its replicas at that moment are remembered for
@@ -417,9 +436,38 @@ class NetCluster:
                 return json.loads(line)
         raise ClusterError(f"{args[0]} on {host} printed no JSON line (log: {log})")
 
+    def enter(self, host: str) -> None:
+        """Move this process's calling thread (call it on the main thread before any thread that will use the network
+        starts: threads inherit it) into ``host``'s network namespace, for a benchmark that must itself be an engine
+        host. The harness's own commands name their namespaces, so they work from anywhere."""
+        import ctypes
+
+        if self._home is None:
+            self._home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        _setns(f"/var/run/netns/{self.hosts[host].ns}")
+
+    def leave(self) -> None:
+        """Back to the namespace ``enter`` left (threads started meanwhile stay where they were started)."""
+        if self._home is not None:
+            _setns(f"/proc/self/fd/{self._home}")
+            os.close(self._home)
+            self._home = None
+
     def leftovers(self) -> dict:
         """What of this run still exists: namespaces, processes in them, its folder (all empty after stop)."""
         return leftovers(self.run)
+
+
+def _setns(path: str) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:             # CLONE_NEWNET
+            raise ClusterError(f"setns {path}: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
 
 
 # -- runs, leftovers, clean-up ----------------------------------------------------------------------------------------
@@ -430,7 +478,8 @@ def namespaces(run: str) -> list[str]:
 
 def leftovers(run: str) -> dict:
     ns = namespaces(run)
-    pids = [p for n in ns for p in sh("ip", "netns", "pids", n, check=False).split()]
+    pids = [p for n in ns for p in sh("ip", "netns", "pids", n, check=False).split()
+            if int(p) != os.getpid()]                       # a benchmark that entered a host of the run
     state = STATE / run / "state.json"
     if state.exists():
         for pid in json.loads(state.read_text()).get("pids", {}).values():
