@@ -379,8 +379,9 @@ class NetCluster:
                    *(["loss", f"{link.loss * 100:g}%"] if link.loss else []),
                    *(["rate", f"{int(link.rate * 8)}bit"] if link.rate else []))
             elif link.rate:
-                # a deep queue (0.5 s of the rate, at least 8 MiB): a drop would make TCP back off below the rate
-                burst = max(int(link.rate * 0.004), 64 << 10)
+                # burst: 4 ms of the rate, like the in-process bucket (BURST_S), at least a few packets (tbf splits
+                # larger GSO packets); a deep queue (0.5 s of the rate, at least 8 MiB): a drop would make TCP back off
+                burst = max(int(link.rate * 0.004), 8 << 10)
                 sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(link.rate * 8)}bit",
                    "burst", str(burst), "limit", str(max(int(link.rate * 0.5), 8 << 20)))
         h.link = Link(link.rate, link.delay, link.loss, h.link.cut)
