@@ -35,8 +35,9 @@ for turn in range(2):
         found = restorer.lookup(context, query.numel())[0].stored_chunks
         out = restorer.restore(context, query, "load")
         st = pool.stats()
-        print(json.dumps({"found": found, "diff": kv_diff(out, ref), "argmax": bool(out.logits.argmax() == ref[1].argmax()),
-                          "hits": st["hits"], "misses": st["misses"], "cells": 6 * runner.num_layers}), flush=True)
+        print(json.dumps({"found": found, "diff": kv_diff(out, ref),
+                          "argmax": bool(out.logits.argmax() == ref[1].argmax()), "hits": st["hits"],
+                          "misses": st["misses"], "cells": 6 * runner.num_layers}), flush=True)
 """
 
 

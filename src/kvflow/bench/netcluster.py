@@ -115,6 +115,7 @@ class NetCluster:
     owner: int | None = None                       # the pid whose exit makes the run stale (None: manual `up`)
     _heirs: dict[str, list[str]] = field(default_factory=dict)
     _home: int | None = None                       # fd of the namespace ``enter`` left
+    _sigterm: object = None
 
     # -- names ----------------------------------------------------------------------------------------------------
     @property
@@ -229,10 +230,19 @@ class NetCluster:
             down(self.run)
 
     def __enter__(self) -> NetCluster:
-        return self if self.hosts and self.procs else self.start()
+        self._sigterm = sigterm_as_interrupt()          # SIGTERM inside the block unwinds like Ctrl-C: stop() runs
+        self._sigterm.__enter__()
+        try:
+            return self if self.hosts and self.procs else self.start()
+        except BaseException:
+            self._sigterm.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            self._sigterm.__exit__(None, None, None)
 
     def _save(self) -> None:
         state = {"run": self.run, "subnet": self.subnet, "owner": self.owner, "url": self.url if self.hosts else "",
@@ -441,8 +451,6 @@ class NetCluster:
         """Move this process's calling thread (call it on the main thread before any thread that will use the network
         starts: threads inherit it) into ``host``'s network namespace, for a benchmark that must itself be an engine
         host. The harness's own commands name their namespaces, so they work from anywhere."""
-        import ctypes
-
         if self._home is None:
             self._home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         _setns(f"/var/run/netns/{self.hosts[host].ns}")

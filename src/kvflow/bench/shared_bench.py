@@ -169,7 +169,8 @@ def second_engine(url: str, cluster: bool, model: str, tokens: int, query_len: i
             with KVPool.open(cfg) as pool:    # a fresh process-local pool: empty memory, no index of A's
                 restorer = Restorer(runner, pool, cost=cost)
                 req, _ = restorer.lookup(ctx, query_len)
-                rows = restore_rows(restorer, ctx, query, ref, repeats, lambda s: progress(f"second engine ({link}): {s}"))
+                rows = restore_rows(restorer, ctx, query, ref, repeats,
+                                    lambda s: progress(f"second engine ({link}): {s}"))
                 st = pool.stats()
                 links[link] = {"throttle": throttle, "found_chunks": req.stored_chunks,
                                "context_chunks": tokens // 256, "remote_read_bw": st["devices"][1]["read_bw"],
@@ -263,7 +264,8 @@ def _pool_cfg(url: str, prefix: str) -> dict:
     return {"chunk_tokens": 256, "probe_bytes": 4 * MiB, "devices": [_remote(url, True, prefix)]}
 
 
-IN_HOST = "import json, sys; from kvflow.bench import shared_bench as b; print(json.dumps(getattr(b, sys.argv[1])(**json.loads(sys.argv[2]))))"
+IN_HOST = ("import json, sys; from kvflow.bench import shared_bench as b; "
+           "print(json.dumps(getattr(b, sys.argv[1])(**json.loads(sys.argv[2]))))")   # fn(**kwargs) in a host
 
 
 def hosts(model: str, tokens: int, query_len: int, link_rate: float, host_rate: float, records_bytes: int,

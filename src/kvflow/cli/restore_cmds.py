@@ -150,8 +150,8 @@ def _bench_links(link, model, context_len, rhos, query_len, repeats, quick, out,
     if (why := netcluster_available()) is not None:
         raise KVFlowError(f"--link {link}: {why}")
     rho_list = [1.0, 4.0] if rhos == "0.25,0.5,1,2,4,8" else comma_list(rhos, float, "--rho", MAX_RHO)
-    if quick:
-        model, context_len, repeats = "qwen2.5-0.5b@layers=2", 2048, 1
+    if quick:                        # --repeats stays as given: a smoke is --quick --repeats 1
+        model, context_len = "qwen2.5-0.5b@layers=2", 2048
     result = link_run(LinkRunOptions(model, context_len, rho_list, ("emulated", "tc") if link == "both" else ("tc",),
                                      query_len, repeats, QUICK if quick else (), out), cost_for=ensure_cost,
                       progress=status)
@@ -169,9 +169,10 @@ def _bench_links(link, model, context_len, rhos, query_len, repeats, quick, out,
     console.print(table)
     for p in result["points"]:
         if "compare" in p:
-            console.print(f"rho={p['rho']:g}: tc/emulated (cacheflow/bound) {p['compare']['tc_over_emulated_bound_ratio']:.3f}, "
-                          f"(cacheflow/min) {p['compare']['tc_over_emulated_min_ratio']:.3f}, spread "
-                          f"{p['compare']['repeat_spread']:.3f}, same verdict {p['compare']['same_verdict']}")
+            c = p["compare"]
+            console.print(f"rho={p['rho']:g}: tc/emulated (cacheflow/bound) {c['tc_over_emulated_bound_ratio']:.3f}, "
+                          f"(cacheflow/min) {c['tc_over_emulated_min_ratio']:.3f}, spread {c['repeat_spread']:.3f}, "
+                          f"same verdict {c['same_verdict']}")
     console.print(f"JSON in {result['folder']}/restore-links.json")
 
 

@@ -32,7 +32,8 @@ def bench_shared(quick: bool = typer.Option(False, "--quick", help="small sizes,
                                                               "both), or hosts alone (root: a namespace cluster)"),
                  link_rate: float = typer.Option(1250.0, "--link-rate", help="hosts: engine B's link, MB/s (tc)"),
                  host_rate: float = typer.Option(15.0, "--host-rate",
-                                                 help="hosts: each storage host's link for the aggregate, MB/s")) -> None:
+                                                 help="hosts: each storage host's link for the aggregate, MB/s"),
+                 ) -> None:
     """Memory + disk + cluster striped vs the sum of each alone (own speed and capped), and the TTFT of a second
     engine restoring a context another process stored, vs recompute (loopback and a 10 Gbps link)."""
     from kvflow.bench import shared_bench
@@ -64,6 +65,7 @@ def bench_shared(quick: bool = typer.Option(False, "--quick", help="small sizes,
     console = Console(stderr=True)
     shared_bench.bench(out_dir("shared", out), url=url, cluster=not single, quick=quick,
                        disk_dir=str(disk_dir) if disk_dir else None, model=model, tokens=tokens, caps=cap_list,
-                       sections=sections, link_rate=link_rate * 1e6, host_rate=host_rate * 1e6, progress=lambda s: console.log(s) if not as_json else None,
+                       sections=sections, link_rate=link_rate * 1e6, host_rate=host_rate * 1e6,
+                       progress=lambda s: console.log(s) if not as_json else None,
                        command=" ".join(["kvflow", *sys.argv[1:]]) if Path(sys.argv[0]).name == "kvflow"
                        else None).report(as_json)
