@@ -9,7 +9,9 @@ At each rho both links are measured by ``restore_bench.measure`` (every strategy
 ``repeats`` times; the links alternate which goes first), the measured bound built from the same code at the same
 rate. Per link: cacheflow / measured bound, cacheflow / min(recompute, load), the repeats' spread, and the payload
 rate a bulk read of the context's records reaches on that link alone (what the link really delivers: the tc link
-carries TCP/IP and Redis framing inside its rate, the throttle counts payload only).
+carries TCP/IP and Redis framing inside its rate, the throttle counts payload only). After shaping, the tc pool
+re-probes its device (``_shape``): the pool learns the in-process throttle's cap directly, a kernel link only by
+measuring it.
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def link_run(o: LinkRunOptions, cost_for: Callable, progress: Callable[[str], No
         if nc is not None:
             bench.pools["tc"] = KVPool.open({"chunk_tokens": 256, "probe_bytes": 4 * MiB, "devices": [
                 {"type": "remote", "url": nc.url, "cluster": True, "workers": 8,
+                 "timeout_s": 120,                  # a 1 MiB request on a link of rho x recompute takes seconds
                  "key_prefix": f"kvflow-bench:{uuid.uuid4().hex[:8]}:"}]})
-            bench.link_hooks["tc"] = lambda rate, latency_s=0.0: nc.shape("ea", rate=rate, delay=latency_s)
+            bench.link_hooks["tc"] = lambda rate, latency_s=0.0: _shape(nc, bench.pools["tc"], rate, latency_s)
         progress(f"storing a {o.context_len}-token context (prefill + reference)")
         bench.add_context(o.context_len)
         if nc is not None:
@@ -95,6 +98,8 @@ def link_run(o: LinkRunOptions, cost_for: Callable, progress: Callable[[str], No
                     "argmax_ok": all(r["argmax_ok"] for r in rows.values()), "rows": rb.public(rows)}
                 if nc is not None and link == "tc":
                     point["links"][link]["tc"] = nc.tc_stats("ea")
+                    point["links"][link]["probed_read_bytes_per_s"] = bench.pools["tc"].stats()["devices"][0][
+                        "probed_read_bw"]
             if len(point["links"]) == 2:
                 e, t = point["links"]["emulated"], point["links"]["tc"]
                 spread = max(e["repeat_spread"], t["repeat_spread"])
@@ -117,6 +122,16 @@ def link_run(o: LinkRunOptions, cost_for: Callable, progress: Callable[[str], No
     write_json(folder / "restore-links.json", rb.jsonable(result))
     result["folder"] = str(folder)
     return result
+
+
+def _shape(nc, pool, rate: float | None, latency_s: float = 0.0) -> None:
+    """Shape engine host ea's link, then let the pool measure its device again (what it probed at open was the
+    unshaped link: the in-process throttle tells the pool its cap, a kernel link cannot — without this the planner
+    plans for the old rate until its run-time calibration catches up)."""
+    nc.shape("ea", rate=rate, delay=latency_s)
+    nbytes = 4 * MiB if rate is None else int(min(4 * MiB, max(2 * MiB, rate)))   # whole 1 MiB probe chunks
+    if pool.probe(0, nbytes) is None:
+        raise RuntimeError("the tc pool had no room to probe its link")
 
 
 def _payload_rate(bench: rb.Bench, pool_name: str, n: int, repeats: int = 3) -> float:
