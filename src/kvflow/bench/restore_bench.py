@@ -76,6 +76,7 @@ class Bench:
     stored: dict = field(default_factory=dict)      # context key -> store / reference prefill times
     links: dict = field(default_factory=dict)       # pool name -> (bytes/s, latency s) the link runs at now
     probes: dict = field(default_factory=dict)      # context key -> what its measured bound was built from
+    link_hooks: dict = field(default_factory=dict)  # pool name -> set(rate, latency_s=0): a real link, not a throttle
 
     def basis_rate(self, key=None) -> float:
         """Rho's denominator for context ``key``: its own measured recompute rate (rho_basis "context", measured by
@@ -101,17 +102,19 @@ class Bench:
     def set_link(self, pool_name: str, rho: float | None, latency_s: float = 0.0, key=None) -> float:
         """Throttle ``pool_name`` to rho x the basis rate of context ``key`` (+ a per-read latency); None:
         unthrottled (a real disk: its rate is measured with raw O_DIRECT reads when a bound needs it). Returns
-        bytes/s."""
+        bytes/s. A pool with a ``link_hooks`` entry has a real link instead (bench/link_bench.py: tc), set the same
+        way."""
         pool = self.pools[pool_name]
+        throttle = self.link_hooks.get(pool_name, pool.set_throttle)
         if rho is None:
-            pool.set_throttle(None)
+            throttle(None)
             self.links[pool_name] = (None, 0.0)
             return float("nan")
         rate = rho * self.basis_rate(key)
         if latency_s:
-            pool.set_throttle(rate, latency_s=latency_s)
+            throttle(rate, latency_s=latency_s)
         else:
-            pool.set_throttle(rate)
+            throttle(rate)
         self.links[pool_name] = (rate, latency_s)
         return rate
 

@@ -128,11 +128,17 @@ def bench_restore(
     quick: bool = typer.Option(False, "--quick", help="small model and contexts: a smoke run in about a minute"),
     out: Optional[Path] = typer.Option(None, help="output folder (default runs/bench-restore-<time>)"),
     as_json: bool = typer.Option(False, "--json", help="print the JSON result instead of tables"),
+    link: str = typer.Option("emulated", "--link", metavar="emulated|tc|both",
+                             help="tc / both (root): the link to a Redis cluster on namespace hosts shaped by tc "
+                                  "(beside the in-process throttle), at --rho (default 1,4), --context only"),
 ) -> None:
     """TTFT of every strategy vs rho and context length (+ batches); ratios measured side by side."""
     from kvflow.bench.restore_run import RestoreRunOptions, print_restore_run, restore_run
     from kvflow.planner import STRATEGIES
     from kvflow.pool.devices.throttle import MAX_LATENCY_S
+
+    if link != "emulated":
+        return _bench_links(link, model, context_len, rhos, query_len, repeats, quick, out, as_json)
 
     if quick:
         model, context_len, rhos, lengths, repeats, latency = "qwen2.5-0.5b@layers=2", 2048, "1,8", "512,2048", 1, ""
@@ -156,6 +162,41 @@ def bench_restore(
         print(json.dumps(run.to_json(), indent=2))
         return
     print_restore_run(run)
+
+
+def _bench_links(link, model, context_len, rhos, query_len, repeats, quick, out, as_json) -> None:
+    from kvflow.bench.link_bench import QUICK, LinkRunOptions, link_run, rows_for_print
+    from kvflow.bench.netcluster import netcluster_available
+
+    if link not in ("tc", "both"):
+        raise KVFlowError(f"--link {link!r}: emulated, tc or both")
+    if (why := netcluster_available()) is not None:
+        raise KVFlowError(f"--link {link}: {why}")
+    rho_list = [1.0, 4.0] if rhos == "0.25,0.5,1,2,4,8" else comma_list(rhos, float, "--rho", MAX_RHO)
+    if quick:                        # --repeats stays as given: a smoke is --quick --repeats 1
+        model, context_len = "qwen2.5-0.5b@layers=2", 2048
+    result = link_run(LinkRunOptions(model, context_len, rho_list, ("emulated", "tc") if link == "both" else ("tc",),
+                                     query_len, repeats, QUICK if quick else (), out), cost_for=ensure_cost,
+                      progress=status)
+    if as_json:
+        print(json.dumps({k: v for k, v in result.items() if k != "folder"}, indent=2, default=str))
+        return
+    from rich.table import Table
+
+    rows = rows_for_print(result)
+    table = Table(title=f"{model}, {context_len} tokens: emulated (in-process) vs tc-shaped link")
+    for k in rows[0]:
+        table.add_column(k, justify="right")
+    for r in rows:
+        table.add_row(*[f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()])
+    console.print(table)
+    for p in result["points"]:
+        if "compare" in p:
+            c = p["compare"]
+            console.print(f"rho={p['rho']:g}: tc/emulated (cacheflow/bound) {c['tc_over_emulated_bound_ratio']:.3f}, "
+                          f"(cacheflow/min) {c['tc_over_emulated_min_ratio']:.3f}, spread {c['repeat_spread']:.3f}, "
+                          f"same verdict {c['same_verdict']}")
+    console.print(f"JSON in {result['folder']}/restore-links.json")
 
 
 @bench_app.command("second-turn")
