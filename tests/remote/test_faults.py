@@ -80,7 +80,7 @@ def test_a_store_down_at_start_leaves_the_pool_working_without_it_until_the_repr
     rp = RedisProcs(masters=1, cluster=False).start()
     try:
         rp.kill(0)
-        cfg = remote_cfg(rp, {"type": "memory", "capacity": "16M"})
+        cfg = remote_cfg(rp, {"type": "memory", "capacity": "16M"}, remote={"required": False})
         with caplog.at_level(logging.WARNING, logger="kvflow.pool"):
             pool = KVPool.open(cfg)
         with pool:
