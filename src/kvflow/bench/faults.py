@@ -180,6 +180,56 @@ class LoopbackCluster:
             self.procs.stop()
 
 
+@dataclass
+class NetTarget:
+    """The namespace cluster (``bench/netcluster.py``: 3 masters + a replica each on hosts of their own, links shaped
+    by tc); this process runs its engines on host ``ea``. Node i is whichever host serves master m_i's slots now."""
+    nc: object = None
+    masters: list[str] = field(default_factory=lambda: ["m0", "m1", "m2"])
+    killed: dict[int, str] = field(default_factory=dict)
+
+    def start(self) -> NetTarget:
+        from kvflow.bench.netcluster import NetCluster
+        self.nc = NetCluster().start()
+        try:
+            self.nc.enter("ea")               # before any pool thread starts: they inherit the namespace
+        except BaseException:
+            self.nc.stop()
+            raise
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.nc.url
+
+    @property
+    def ports(self) -> list[int]:
+        return [6379]
+
+    def kill(self, node: int) -> None:
+        self.nc.wait_replicated()             # what was stored survives on the replica that takes over
+        host = self.masters[node]
+        self.nc.kill(host)
+        self.masters[node], self.killed[node] = self.nc.wait_failover(host), host
+
+    def restore(self, node: int) -> None:
+        self.nc.restart(self.killed.pop(node))      # rejoins as the new master's replica
+
+    def cut(self, node: int) -> None:
+        self.nc.cut(self.masters[node])
+
+    def heal(self, node: int) -> None:
+        self.nc.heal(self.masters[node])
+
+    def slow(self, node: int, delay_s: float | None) -> None:
+        (self.nc.slow(self.masters[node], 100) if delay_s else self.nc.heal(self.masters[node]))
+
+    def stop(self) -> None:
+        if self.nc is not None:
+            self.nc.leave()
+            self.nc.stop()
+
+
 def census(ports: list[int]) -> dict:
     """This process's threads (the proxies' aside) and its TCP connections to the cluster's client ports."""
     import psutil
@@ -263,7 +313,7 @@ def phase(cluster: FaultTarget, fault: str, *, runner, cost, ref, convs: int, ro
     faulty, serving = False, {}
     try:
         for r in range(rounds):
-            if r == 1:
+            if r == 1 and fault != "none":
                 inject()
                 faulty = True
             if r == rounds - 1 and faulty:
@@ -304,7 +354,8 @@ def summary(ph: dict) -> dict:
     ttft = [r["ttft_s"] for r in rows if r["ok"]]
     during = [r["ttft_s"] for r in rows if r["ok"] and r["under_fault"]] or ttft
     return {"fault": ph["fault"], "requests": len(rows), "succeeded": sum(r["ok"] for r in rows),
-            "wrong_tokens": sum(r["wrong_tokens"] for r in rows), "cached_tokens": sum(r["cached_tokens"] for r in rows),
+            "wrong_tokens": sum(r["wrong_tokens"] for r in rows),
+            "cached_tokens": sum(r["cached_tokens"] for r in rows),
             "p50_ttft_s": percentile(ttft, 50) if ttft else None, "p99_ttft_s": percentile(ttft, 99) if ttft else None,
             "p99_ttft_during_s": percentile(during, 99) if during else None,
             "threads": f"{ph['before']['threads']} -> {ph['serving'].get('threads')} -> {ph['after']['threads']}",
@@ -313,7 +364,7 @@ def summary(ph: dict) -> dict:
 
 
 def run(*, faults: list[str], convs: int, rounds: int, context: int, turn: int, answer: int, timeout_s: float,
-        slow_ms: float, model: str, progress: Progress, command: str | None = None) -> dict:
+        slow_ms: float, model: str, progress: Progress, netns: bool = False, command: str | None = None) -> dict:
     from kvflow import load_model
     from kvflow.cost import cost_profile
     from kvflow.engine.config import EngineConfig
@@ -323,8 +374,16 @@ def run(*, faults: list[str], convs: int, rounds: int, context: int, turn: int, 
     cost = cost_profile(runner)
     ref = LLMEngine(runner, EngineConfig(block_size=16, kv_budget=16 << 20, activation_reserve=64 << 20,
                                          enable_prefix_caching=False))
-    progress("starting a 3-master Redis cluster on loopback, each node behind a fault proxy")
-    cluster = LoopbackCluster().start()
+    if netns:
+        progress("starting the namespace cluster (3 masters + replicas, engines on host ea; bench/netcluster.py)")
+        cluster = NetTarget().start()
+        where = "namespace cluster: 3 masters + 1 replica each on their own hosts, engines on host ea, tc links"
+        slow_what = "rate / 100, delay x 100" if cluster.nc.netem else "rate / 100 (tc tbf; this kernel has no netem)"
+    else:
+        progress("starting a 3-master Redis cluster on loopback, each node behind a fault proxy")
+        cluster = LoopbackCluster().start()
+        where = "3 masters on loopback behind fault proxies (no replicas: a killed master restarts empty)"
+        slow_what = f"+{slow_ms:g} ms per reply segment"
     try:
         phases = [phase(cluster, f, runner=runner, cost=cost, ref=ref, convs=convs, rounds=rounds, context=context,
                         turn=turn, answer=answer, timeout_s=timeout_s, slow_s=slow_ms / 1e3, node=1, seed=100 + i,
@@ -336,7 +395,7 @@ def run(*, faults: list[str], convs: int, rounds: int, context: int, turn: int, 
     for s in sums:
         s["p99_during_over_fault_free"] = (s["p99_ttft_during_s"] / base["p99_ttft_s"]
                                            if base and base["p99_ttft_s"] and s["p99_ttft_during_s"] else None)
-    return {"command": command, "model": model, "cluster": "3 masters on loopback behind fault proxies",
+    return {"command": command, "model": model, "cluster": where, "slow": slow_what,
             "convs": convs, "rounds": rounds, "context": context, "turn": turn, "answer": answer,
             "timeout_s": timeout_s, "slow_ms": slow_ms, "host": {"cpus": os.cpu_count(),
                                                                    "python": sys.version.split()[0]},
