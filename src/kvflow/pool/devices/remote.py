@@ -163,7 +163,10 @@ class RemoteStore:
         from redis.retry import Retry
 
         cfg = self.cfg
-        opts = dict(socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s, retry=Retry(NoBackoff(), 1),
+        # one retry for a stale pooled connection (a node restarted); none after a timeout: a node that hangs costs
+        # a request one timeout_s per round, not two
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+        opts = dict(socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s, retry=retry,
                     max_connections=max(8, 4 * cfg.workers), **self._auth)
         if self.tls or cfg.tls:
             opts.update(ssl=True, **(cfg.tls or {}))
