@@ -51,6 +51,7 @@ class FaultTarget(Protocol):
     def cut(self, node: int) -> None: ...
     def heal(self, node: int) -> None: ...
     def slow(self, node: int, delay_s: float | None) -> None: ...   # None: back to full speed
+    def settle(self) -> None: ...                  # until every slot is served and replicas are in sync
 
 
 class FaultProxy:
@@ -173,6 +174,9 @@ class LoopbackCluster:
     def slow(self, node: int, delay_s: float | None) -> None:
         self.proxies[node].delay_s = delay_s or 0.0
 
+    def settle(self) -> None:
+        self.procs.wait_ok()
+
     def stop(self) -> None:
         for p in self.proxies:
             p.close()
@@ -185,8 +189,9 @@ class NetTarget:
     """The namespace cluster (``bench/netcluster.py``: 3 masters + a replica each on hosts of their own, links shaped
     by tc); this process runs its engines on host ``ea``. Node i is whichever host serves master m_i's slots now."""
     nc: object = None
-    masters: list[str] = field(default_factory=lambda: ["m0", "m1", "m2"])
     killed: dict[int, str] = field(default_factory=dict)
+    cut_host: str = ""
+    slow_host: str = ""
 
     def start(self) -> NetTarget:
         from kvflow.bench.netcluster import NetCluster
@@ -206,23 +211,37 @@ class NetTarget:
     def ports(self) -> list[int]:
         return [6379]
 
+    def master(self, node: int) -> str:
+        """The host serving m_<node>'s slots now (m_<node>, or the replica that took over from it)."""
+        host = f"m{node}"
+        return host if self.nc.role(host) == "master" else self.nc.master_of(host)
+
     def kill(self, node: int) -> None:
         self.nc.wait_replicated()             # what was stored survives on the replica that takes over
-        host = self.masters[node]
+        host = self.master(node)
         self.nc.kill(host)
-        self.masters[node], self.killed[node] = self.nc.wait_failover(host), host
+        self.nc.wait_failover(host)
+        self.killed[node] = host
 
     def restore(self, node: int) -> None:
         self.nc.restart(self.killed.pop(node))      # rejoins as the new master's replica
 
     def cut(self, node: int) -> None:
-        self.nc.cut(self.masters[node])
+        self.cut_host = self.master(node)     # cut longer than cluster-node-timeout: its replica takes over
+        self.nc.cut(self.cut_host)
 
     def heal(self, node: int) -> None:
-        self.nc.heal(self.masters[node])
+        self.nc.heal(self.cut_host)
 
     def slow(self, node: int, delay_s: float | None) -> None:
-        (self.nc.slow(self.masters[node], 100) if delay_s else self.nc.heal(self.masters[node]))
+        if delay_s:
+            self.slow_host = self.master(node)
+            self.nc.slow(self.slow_host, 100)
+        else:
+            self.nc.heal(self.slow_host)
+
+    def settle(self) -> None:
+        self.nc.wait_ok(synced=True)
 
     def stop(self) -> None:
         if self.nc is not None:
@@ -300,6 +319,7 @@ def phase(cluster: FaultTarget, fault: str, *, runner, cost, ref, convs: int, ro
     remote = {"type": "remote", "url": cluster.url, "cluster": True, "timeout_s": timeout_s, "workers": 4,
               "key_prefix": f"kvflow-faults:{seed}:"}
     pool_cfg = {"chunk_tokens": 64, "probe_bytes": "4M", "devices": [remote]}
+    cluster.settle()                          # the previous phase's failover / rejoin is over
     before = census(cluster.ports)
     engines = [_engine(runner, cost, pool_cfg) for _ in range(2)]
     gen = torch.Generator().manual_seed(seed)
