@@ -175,7 +175,8 @@ class Restorer:
         """The pool's read bandwidth and per-read latency; the executor keeps ``depth`` reads in flight, so each
         read waits latency / depth beyond its bytes."""
         cell = self.chunk_tokens * self.runner.shape.kv_bytes_per_token_layer(self._dtype()) + HEADER_SIZE
-        bandwidth = self.cost.loaded_rate(float(self.pool.read_bandwidth))   # + the host-to-device copy on a GPU
+        # no device in service (0 B/s, e.g. the shared store down): reads predicted at 1 B/s, so every plan recomputes
+        bandwidth = self.cost.loaded_rate(max(1.0, float(self.pool.read_bandwidth)))   # + host-to-device on a GPU
         if calibrated and self.calibration is not None:
             bandwidth /= self.calibration.io
         depth = max(2, getattr(self.pool, "parallelism", 1))

@@ -128,6 +128,34 @@ def test_a_put_evicts_only_the_fewest_lru_records_its_record_needs_on_one_device
             lru[key.digest] = key
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 16])
+def test_a_put_needing_k_pages_on_a_full_device_evicts_exactly_the_k_least_recently_used_pages(k):
+    """16 one-page records fill the device in address order, so the LRU order is the address order: a record of k
+    pages needs exactly the k oldest (contiguous) records gone — no more, and never one that was read since."""
+    keys = context_keys(18, seed=k)
+    with small_pool(16) as pool:
+        for key in keys[:16]:
+            pool.put_many({key: sized(key, 1)})
+        touched = keys[k] if k < 16 else None       # the oldest record it does not need: read now, newest again
+        if touched is not None:
+            assert pool.get_many([touched])[touched] is not None
+        assert pool.put_many({keys[16]: sized(keys[16], k)}) == 1
+        left = {d for d, *_ in pool.entries()}
+        assert pool.stats()["evictions"] == k and left == {key.digest for key in keys[k:17]}
+        free = 16 * UNIT - sum(_units(n) for *_, n, _ in pool.entries())
+        assert free == 0, "the evicted records freed exactly the k pages the record took"
+
+
+def test_one_put_of_several_records_evicts_only_what_all_of_them_need():
+    keys = context_keys(24, seed=7)
+    with small_pool(16) as pool:
+        pool.put_many({key: sized(key, 1) for key in keys[:16]})
+        batch = {keys[16]: sized(keys[16], 2), keys[17]: sized(keys[17], 1), keys[18]: sized(keys[18], 3)}
+        assert pool.put_many(batch) == 3
+        assert pool.stats()["evictions"] == 6 and {d for d, *_ in pool.entries()} == \
+            {key.digest for key in keys[6:19]}, "2 + 1 + 3 pages: the six oldest records, no other"
+
+
 def test_recently_read_records_survive_eviction():
     keys = context_keys(30)
     with small_pool(20) as pool:

@@ -80,7 +80,7 @@ def test_a_store_down_at_start_leaves_the_pool_working_without_it_until_the_repr
     rp = RedisProcs(masters=1, cluster=False).start()
     try:
         rp.kill(0)
-        cfg = remote_cfg(rp, {"type": "memory", "capacity": "16M"})
+        cfg = remote_cfg(rp, {"type": "memory", "capacity": "16M"}, remote={"required": False})
         with caplog.at_level(logging.WARNING, logger="kvflow.pool"):
             pool = KVPool.open(cfg)
         with pool:
@@ -135,5 +135,21 @@ def test_a_wrong_password_is_one_clear_error_that_never_shows_the_password(tmp_p
         ok = {"type": "remote", "url": rp.url, "cluster": False, "password": "right-pw"}
         with KVPool.open({"devices": [ok], "chunk_tokens": 16, "probe_bytes": "1M"}) as pool:
             assert pool.stats()["devices"][0]["healthy"]
+    finally:
+        rp.stop()
+
+
+def test_a_pool_whose_only_store_left_service_restores_by_recomputing_exactly(tiny):
+    rp = RedisProcs(masters=1, cluster=False).start()
+    try:
+        cfg = remote_cfg(rp, chunk_tokens=C, remote={"timeout_s": 0.3})
+        ctx, query = ids(6 * C + 3, 81), ids(5, 82)
+        with KVPool.open(cfg) as pool:
+            restorer = Restorer(tiny, pool, cost=synthetic_cost(tiny), calibrate=False)
+            restorer.store(ctx)
+            rp.kill(0)
+            for _ in range(4):                    # three failed rounds take it out of service: read bandwidth 0
+                assert_exact(tiny, restorer.restore(ctx, query, "cacheflow"), ctx, query)
+            assert not pool.stats()["devices"][0]["healthy"] and pool.stats()["read_bandwidth"] == 0
     finally:
         rp.stop()

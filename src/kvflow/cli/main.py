@@ -27,8 +27,8 @@ app.add_typer(bench_app, name="bench")
 def _register() -> None:
     # Imported here so `kvflow --help` stays fast and each group owns its module.
     from kvflow.cli import model_cmds  # noqa: F401  (models, profile, demo)
-    for optional in ("pool_cmds", "restore_cmds", "pipeline_cmds", "serve_cmds", "shared_cmds", "connector_cmds",
-                     "elastic_cmds", "advise_cmds"):
+    for optional in ("pool_cmds", "restore_cmds", "pipeline_cmds", "serve_cmds", "shared_cmds", "faults_cmds",
+                     "connector_cmds", "elastic_cmds", "advise_cmds"):
         try:
             __import__(f"kvflow.cli.{optional}")
         except ModuleNotFoundError as err:

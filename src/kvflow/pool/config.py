@@ -52,10 +52,12 @@ class DeviceConfig:
     cluster: bool = True            # a Redis cluster (keys over hash slots, every node read) or one server
     username: str | None = field(default=None, repr=False)   # ACL user (else pool.remote_username)
     password: str | None = field(default=None, repr=False)   # never logged (else pool.remote_password / env)
+    password_file: str | None = None   # the password is this file's first line (else pool.remote_password_file)
     tls: dict | None = None         # passed through to the client: ssl_ca_certs, ssl_certfile, ssl_keyfile, ...
     timeout_s: float = 2.0          # connect and per-command socket timeout
     key_prefix: str = "kvflow:"     # store keys are key_prefix + the record key digest (hex)
     ttl_s: int = 0                  # > 0: records expire after this long (0: the store's LRU decides)
+    required: bool = True           # unreachable at start: one ConfigError (false: start without it, re-probe)
 
     def check_at(self, where: str) -> None:
         """Validate against ``where`` (e.g. ``pool.devices[2]``) so errors name the entry."""
@@ -107,6 +109,7 @@ class PoolConfig:
     remote_placement: str = "stripe"  # stripe: a remote device is striped by p_i like any | copy: local first + a copy
     remote_username: str | None = field(default=None, repr=False)   # remote devices' ACL user / password unless a
     remote_password: str | None = field(default=None, repr=False)   # device sets its own (KVFLOW_POOL_REMOTE_*)
+    remote_password_file: str | None = None   # ... or the first line of this file (KVFLOW_POOL_REMOTE_PASSWORD_FILE)
 
     def validate(self) -> None:
         check(len(self.devices) > 0, "pool.devices: at least one device is required")
@@ -132,10 +135,12 @@ class PoolConfig:
               "pool.probe_seconds: must be between 0 and 60")
         check(self.remote_placement in REMOTE_PLACEMENTS, f"pool.remote_placement: must be stripe or copy, "
                                                           f"got {self.remote_placement!r}")
-        for dev in self.devices:
+        for i, dev in enumerate(self.devices):
             if dev.type == "remote":
                 dev.username = dev.username or self.remote_username
-                dev.password = dev.password or self.remote_password
+                dev.password = (dev.password or _secret(dev.password_file, f"pool.devices[{i}].password_file")
+                                or self.remote_password
+                                or _secret(self.remote_password_file, "pool.remote_password_file"))
         check(self.index_dir is not None or not any(d.persistent for d in self.devices),
               "pool.index_dir: required when a device has a path (its index must survive restarts)")
         check(self.index_dir is None or os.path.normpath(self.index_dir.strip() or ".") != ".",
@@ -164,3 +169,17 @@ class PoolConfig:
             if dev.path is not None:
                 dev.path = str(base / dev.path)
         return cfg
+
+
+def _secret(path: str | None, where: str) -> str | None:
+    """The first line of a secret file (e.g. a mounted Kubernetes secret), None without a file; the file's content
+    is never part of an error message."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = f.readline().rstrip("\r\n")
+    except OSError as err:
+        raise ConfigError(f"{where}: cannot read {path}: {err.strerror or err}") from None
+    check(bool(line), f"{where}: {path} is empty (its first line is the password)")
+    return line

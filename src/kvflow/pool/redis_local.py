@@ -5,6 +5,8 @@ kvflow/supervisor.py), always killed and the directory removed.
     with RedisProcs(masters=3) as rp:          # cluster mode; RedisProcs(masters=1, cluster=False): one server
         rp.url                                 # "redis://127.0.0.1:P1,127.0.0.1:P2,..." for a remote device
         rp.kill(1); rp.restart(1)              # a node dies; comes back empty (no persistence) with its slots
+    RedisProcs(user="kvflow", password="pw")   # an ACL user limited to keys under user_prefix (admin: another pw)
+    RedisProcs(tls=True)                       # a TLS port per node (url: rediss://, rp.ca), a throwaway CA in dir
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from kvflow.errors import KVFlowError
@@ -55,21 +58,41 @@ class RedisProcs:
     cluster: bool = True
     password: str | None = None
     maxmemory: str | None = None            # e.g. "64mb": the store evicts (allkeys-lru) beyond it
+    user: str | None = None                 # an ACL user with ``password``, its keys limited to user_prefix
+    user_prefix: str = "kvflow:"
+    tls: bool = False                       # each node also serves TLS (tls-cluster yes) on tls_ports[i]
+    tls_ports: list[int] = field(default_factory=list)
+    admin_password: str = field(default_factory=lambda: uuid.uuid4().hex, repr=False)   # the default user's, with user
     ports: list[int] = field(default_factory=list)
     procs: dict[int, Supervised] = field(default_factory=dict)
     dir: str = ""
 
     @property
     def url(self) -> str:
+        if self.tls:
+            return "rediss://" + ",".join(f"127.0.0.1:{p}" for p in self.tls_ports)
         return "redis://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    @property
+    def ca(self) -> str:
+        """The throwaway CA that signed the servers' certificate (tls=True): a client's ssl_ca_certs."""
+        return os.path.join(self.dir, "ca.pem")
+
+    @property
+    def _admin(self) -> str | None:
+        """The default user's password: ``password`` itself, or one of its own beside an ACL user."""
+        return self.admin_password if self.user else self.password
 
     def start(self) -> RedisProcs:
         if (why := redis_available()) is not None:
             raise RuntimeError(why)
         self.dir = tempfile.mkdtemp(prefix="kvflow-redis-")
         try:
+            if self.tls:
+                make_certs(self.dir)
             for attempt in range(3):    # a port taken between the check and the bind: pick others
                 self.ports = free_ports(self.masters, self.cluster)
+                self.tls_ports = free_ports(self.masters, False) if self.tls else []
                 for i in range(self.masters):
                     self._spawn(i)
                 try:
@@ -93,16 +116,24 @@ class RedisProcs:
                 "--maxmemory-policy", "allkeys-lru", "--protected-mode", "no"]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory]
-        if self.password:
-            args += ["--requirepass", self.password, "--masterauth", self.password]
+        if self._admin:
+            args += ["--requirepass", self._admin, "--masterauth", self._admin]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", os.path.join(self.dir, f"nodes-{port}.conf"),
                      "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no"]
+        if self.tls:
+            d = self.dir
+            args += ["--tls-port", str(self.tls_ports[self.ports.index(port)]), "--tls-cert-file", f"{d}/server.pem",
+                     "--tls-key-file", f"{d}/server.key", "--tls-ca-cert-file", f"{d}/ca.pem",
+                     "--tls-auth-clients", "no", "--tls-replication", "yes"]
+            if self.cluster:    # the bus speaks TLS; it stays on port + 10000; admin commands use the plain port
+                args += ["--tls-cluster", "yes", "--cluster-port", str(port + 10000)]
         return args
 
     def _spawn(self, i: int) -> Supervised:
         port = self.ports[i]
-        self.procs[port] = Supervised(self._args(port), ready=lambda: self._ping(port), poll_s=0.05,
+        self.procs[port] = Supervised(self._args(port), ready=lambda: self._ping(port) and self._acl(port),
+                                      poll_s=0.05,
                                       name=f"redis-server on port {port} (log: {self.dir}/{port}.log)").spawn()
         return self.procs[port]
 
@@ -112,10 +143,18 @@ class RedisProcs:
         except subprocess.TimeoutExpired:
             return False
 
+    def _acl(self, port: int) -> bool:
+        """The ACL user on node ``port`` (ACLs are per node and not persisted: set again on every start)."""
+        if not self.user:
+            return True
+        rules = ["reset", "on", f">{self.password}", f"~{self.user_prefix}*", "+@all", "-@dangerous",
+                 "+cluster|slots", "+cluster|shards", "+cluster|nodes", "+info"]
+        return self._cli("acl", "setuser", self.user, *rules, port=port, timeout=5).stdout.strip() == "OK"
+
     def _cli(self, *args: str, port: int | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
         cmd = ["redis-cli", "-h", "127.0.0.1"] + (["-p", str(port)] if port else [])
-        if self.password:
-            cmd += ["-a", self.password, "--no-auth-warning"]
+        if self._admin:
+            cmd += ["-a", self._admin, "--no-auth-warning"]
         return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout)
 
     def _create_cluster(self) -> None:
@@ -170,3 +209,19 @@ class RedisProcs:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+
+
+def make_certs(folder: str) -> None:
+    """A throwaway CA (ca.pem) and a server certificate it signed (server.pem, server.key) for 127.0.0.1 and
+    localhost, in ``folder``: TLS for local test stores only."""
+    def ssl(*args: str) -> None:
+        done = subprocess.run(["openssl", *args], cwd=folder, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"openssl {args[0]} failed: {done.stderr[-300:]}")
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=kvflow test CA",
+        "-keyout", "ca.key", "-out", "ca.pem")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr")
+    with open(os.path.join(folder, "san.ext"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
+        "-extfile", "san.ext", "-out", "server.pem")

@@ -16,10 +16,11 @@ parallel. The pool asks it for what its own index does not know through ``kvflow
 on it through its striped view (``KeyedDevice``, what ``RemoteStore.open`` returns).
 
 Eviction is the store's (``maxmemory-policy allkeys-lru``): a record it evicted, or lost with a node restarted
-empty, is a miss and the restorer recomputes it. A node that fails makes its records misses; the store unreachable
-at start leaves the pool without it (a warning) until the pool's re-probe finds it answering. Credentials come from
-the device config, ``pool.remote_username`` / ``remote_password`` (``KVFLOW_POOL_REMOTE_PASSWORD``) or the URL, and
-are never logged; a wrong one is one ConfigError.
+empty, is a miss and the restorer recomputes it. A node that fails makes its records misses. The store unreachable
+at start is one ConfigError (``required: false``: the pool starts without it, a warning, until the pool's re-probe
+finds it answering). Credentials come from the device config, ``pool.remote_username`` / ``remote_password`` /
+``remote_password_file`` (``KVFLOW_POOL_REMOTE_PASSWORD[_FILE]``) or the URL, and are never logged; a wrong one, or
+a TLS handshake that fails, is one ConfigError too.
 """
 
 from __future__ import annotations
@@ -70,6 +71,17 @@ def _is_auth(err: BaseException) -> bool:
     return isinstance(err, (redis.AuthenticationError, redis.exceptions.NoPermissionError)) or any(
         s in text for s in ("WRONGPASS", "NOAUTH", "INVALID USERNAME-PASSWORD", "AUTHENTICATION REQUIRED",
                             "INVALID PASSWORD"))
+
+
+def _is_tls(err: BaseException) -> bool:
+    import ssl
+
+    return isinstance(err, ssl.SSLError) or "SSL" in str(err)
+
+
+def _tls_reason(err: BaseException) -> str:
+    text = str(err)
+    return text[text.find("[SSL"):][:160] if "[SSL" in text else text[:160]
 
 
 def _os_error(err: BaseException, name: str) -> OSError:
@@ -126,6 +138,9 @@ class RemoteStore:
         try:
             self.client()
         except OSError as err:                   # unreachable at start: the pool starts without it, re-probes later
+            if cfg.required:
+                raise ConfigError(f"{err.strerror}: the store does not answer at start (check the address, and "
+                                  f"rediss:// for a TLS port; required: false starts without it)") from None
             self.reachable = False
             self.unreachable = err.strerror or str(err)
             log.warning("pool: remote store %s unreachable (%s); starting without it, re-probing later",
@@ -148,7 +163,10 @@ class RemoteStore:
         from redis.retry import Retry
 
         cfg = self.cfg
-        opts = dict(socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s, retry=Retry(NoBackoff(), 1),
+        # one retry for a stale pooled connection (a node restarted); none after a timeout: a node that hangs costs
+        # a request one timeout_s per round, not two
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+        opts = dict(socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s, retry=retry,
                     max_connections=max(8, 4 * cfg.workers), **self._auth)
         if self.tls or cfg.tls:
             opts.update(ssl=True, **(cfg.tls or {}))
@@ -165,11 +183,14 @@ class RemoteStore:
                 raise ConfigError(f"{self.name}: this store is one server, not a cluster (cluster mode is not "
                                   f"enabled on it); set cluster: false on this device") from None
             cause = err.__cause__ or err.__context__
+            if _is_tls(err) or (cause is not None and _is_tls(cause)):
+                raise ConfigError(f"{self.name}: the TLS handshake failed ({_tls_reason(err)}); check the device's "
+                                  f"tls (ssl_ca_certs) and that the URL names the store's TLS ports") from None
             if _is_auth(err) or (cause is not None and _is_auth(cause)):
                 user = self._auth["username"]
                 raise ConfigError(f"{self.name}: the store refused the credentials"
                                   f"{f' of ACL user {user!r}' if user else ''} (wrong password or user); set the "
-                                  f"device's password/username or KVFLOW_POOL_REMOTE_PASSWORD") from None
+                                  f"device's password/username, or KVFLOW_POOL_REMOTE_PASSWORD[_FILE]") from None
             raise _os_error(err, self.name) from None
 
     def _call(self, fn, *args, **kw):
