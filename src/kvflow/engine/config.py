@@ -26,7 +26,8 @@ class EngineConfig:
     strategy: str = "cacheflow"           # restoration strategy for pool hits (any of kvflow.planner.STRATEGIES)
     pool_min_tokens: int = 1              # a pool hit must add at least this many tokens over the resident hit
     async_restore: bool = False           # True: restore pool hits on a 1-thread worker while steps go on (threads.py)
-    scheduling_policy: str = "first-token"  # or "fcfs": first tokens before later ones, swaps via the pool (scheduler.py)
+    scheduling_policy: str = "remaining-work"  # or "first-token", "fcfs": the order of prefills and admissions
+    #                                       (scheduler.py); remaining-work and first-token swap decoders for a first token
     max_swaps: int = 3                    # first-token policy: times one sequence may be swapped out for others
     starvation_factor: float = 4.0        # remaining-work policy: a first token within F x its FCFS steps (+1 step)
     write_queue: int = 64                 # pending pool writes at most; a full queue drops (and counts) writes

@@ -37,10 +37,11 @@ and its blocks fit, and nobody is admitted past one that does not fit)::
                      otherwise: the cost model's prefill of [r, n)          (no pool, no cost model: n - r tokens)
            running:  prefill of what is left, [num_computed, n)
 
-Starvation is bounded by ``starvation_factor`` F: a request is *due* once the prefill tokens the scheduler gave out
-since it arrived reach (F - 1) x its uncached tokens; due requests go first, oldest first. Until then at most
-(F - 1) x its own work went to others beyond what FCFS also computes before it, so when blocks are not what it waits
-for, its first token comes within F x its FCFS steps plus one step. F = 1 is FCFS order.
+Starvation is bounded by ``starvation_factor`` F: a request is *due* once the prefill tokens given to requests that
+arrived after it (while it had no token) reach (F - 1) x its uncached tokens; due requests go first, oldest first.
+So at most (F - 1) x its own work goes to later arrivals before it; the rest of what precedes it arrived earlier, and
+FCFS computes that before it too. When blocks are not what it waits for, its first token comes within F x its FCFS
+steps plus two (tests/engine/test_scheduler_policy.py checks it on random queues). F = 1 is FCFS order.
 """
 
 from __future__ import annotations
@@ -84,22 +85,29 @@ class Scheduler:
         self.work = work or (lambda n, resident, stored: float(n - max(resident, stored)))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.prefill_tokens = 0        # tokens scheduled for sequences without a first token, ever (aging clock)
 
     def add(self, seq: Sequence) -> None:
-        seq.aging_base = self.prefill_tokens
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        if self.config.scheduling_policy == "remaining-work":
-            out = self._schedule_by_work()
-        else:
-            out = self._schedule_in_order()
-        self.prefill_tokens += sum(s.num_tokens for s in out.scheduled if s.seq.first_token_s is None)
+        if self.config.scheduling_policy != "remaining-work":
+            return self._schedule_in_order()
+        out = self._schedule_by_work()
+        self._age(out)
         return out
+
+    def _age(self, out: SchedulerOutput) -> None:
+        """Every request still without a token is passed over by the prefill tokens this step gave to later arrivals
+        without a token (seq ids grow with arrival)."""
+        given = [(s.seq.seq_id, s.num_tokens) for s in out.scheduled if s.seq.first_token_s is None]
+        if not given:
+            return
+        for seq in (*self.waiting, *self.running):
+            if seq.first_token_s is None:
+                seq.passed_over += sum(n for sid, n in given if sid > seq.seq_id)
 
     def _schedule_in_order(self) -> SchedulerOutput:
         """fcfs / first-token: running sequences in admission order, then admission."""
@@ -213,7 +221,7 @@ class Scheduler:
             seq.work = self.work(seq.num_tokens, resident, stored)
             if seq.work_tokens < 0:                # the aging threshold: its uncached tokens when first seen
                 seq.work_tokens = seq.num_tokens - max(resident, stored)
-        if self.prefill_tokens - seq.aging_base >= (self.config.starvation_factor - 1) * seq.work_tokens:
+        if seq.passed_over >= (self.config.starvation_factor - 1) * seq.work_tokens:
             return (0, 0.0, seq.seq_id)
         if seq.status is Status.RUNNING:
             return (1, self.work(seq.num_tokens, seq.num_computed, 0), seq.seq_id)
@@ -232,7 +240,8 @@ class Scheduler:
         return next((s for s in self.waiting if s.first_token_s is None), None)
 
     def _make_room(self, out: SchedulerOutput) -> None:
-        """First-token policy: swap out decoding sequences until the first waiting request without a token fits."""
+        """First-token policy: swap out decoding sequences until the first waiting request without a token fits
+        (remaining-work: the best-ranked one, and prompts still prefilling that rank below it may be swapped too)."""
         bm = self.blocks
         head = self._first_without_token() if self.pool_lookup is not None else None
         if head is None:
@@ -244,6 +253,11 @@ class Scheduler:
         victims = sorted((s for s in self.running if s.first_token_s is not None and not s.restoring
                           and s.num_swaps < self.config.max_swaps),
                          key=lambda s: (s.params.max_tokens - s.num_output, len(s.block_table)), reverse=True)
+        if self.config.scheduling_policy == "remaining-work":     # then prompts still prefilling that rank below it
+            rank = self._rank(head)
+            victims += sorted((s for s in self.running if s.first_token_s is None and not s.restoring
+                               and s.num_swaps < self.config.max_swaps and self._rank(s) > rank),
+                              key=self._rank, reverse=True)
         growing = sum(1 for s in self.running if bm.blocks_for(s.num_tokens) > len(s.block_table))
         free, chosen = bm.num_free - growing, []
         for v in victims:
