@@ -128,3 +128,16 @@ def test_a_pool_hit_is_ranked_by_its_predicted_restoration_not_its_length():
         for s in seqs:
             sched.add(s)
         assert [s.seq.seq_id for s in sched.schedule().scheduled] == order
+
+
+def test_questions_about_32k_token_documents_do_not_wait_for_the_documents_prefill():
+    """Issue 33's long-document QA at the scheduler: two 32K-token documents arrive first, then a short question
+    every 8 steps. Each question gets its first token in the step it arrives; each document is still spread over
+    at most F x its FCFS steps (512 tokens a step)."""
+    arrivals = [Arrival(0, 32768), Arrival(0, 32768)] + [Arrival(s, 60, max_tokens=4) for s in range(1, 120, 8)]
+    first, seqs, skipped = run_queue("remaining-work", arrivals, budget=512, num_blocks=8192)
+    steps = waited(first, arrivals)
+    assert all(w == 1 for w in steps[2:])
+    fcfs = waited(run_queue("fcfs", arrivals, budget=512, num_blocks=8192)[0], arrivals)
+    assert steps[0] <= fcfs[0] + 2 and steps[1] <= 4 * fcfs[1] + 2
+    assert not any(skipped)
