@@ -36,8 +36,9 @@ def late_arrival(eng: LLMEngine, steps_before: int = 20):
     return (a, b), (tokens[sa], tokens[sb]), (first[sa], first[sb]), (last[sa], last[sb])
 
 
-def test_a_first_token_swaps_a_decoder_out_and_every_token_still_equals_generate(tiny):
-    eng = engine(tiny, "first-token")
+@pytest.mark.parametrize("policy", ["first-token", "remaining-work"])
+def test_a_first_token_swaps_a_decoder_out_and_every_token_still_equals_generate(tiny, policy):
+    eng = engine(tiny, policy)
     (a, b), (ta, tb), (_, first_b), (last_a, _) = late_arrival(eng)
     assert eng.stats.swaps == 1
     assert first_b < last_a                       # B's first token came before A's answer ended
@@ -54,8 +55,9 @@ def test_fcfs_makes_the_late_request_wait_for_the_decoder_to_finish(tiny):
     eng.close()
 
 
-def test_nobody_is_swapped_when_swapping_could_not_make_room(tiny):
-    eng = engine(tiny, "first-token", num_blocks=14)
+@pytest.mark.parametrize("policy", ["first-token", "remaining-work"])
+def test_nobody_is_swapped_when_swapping_could_not_make_room(tiny, policy):
+    eng = engine(tiny, policy, num_blocks=14)
     eng.add_request(ids(20, 1), SamplingParams(max_tokens=30, ignore_eos=True))
     for _ in range(3):
         eng.step()
@@ -67,15 +69,16 @@ def test_nobody_is_swapped_when_swapping_could_not_make_room(tiny):
     assert eng.stats.swaps == 0 and seq in eng.scheduler.running
 
 
-def test_a_sequence_is_swapped_at_most_max_swaps_times(tiny):
-    eng = engine(tiny, "first-token", max_swaps=0)
+@pytest.mark.parametrize("policy", ["first-token", "remaining-work"])
+def test_a_sequence_is_swapped_at_most_max_swaps_times(tiny, policy):
+    eng = engine(tiny, policy, max_swaps=0)
     (a, b), (ta, tb), _, _ = late_arrival(eng)
     assert eng.stats.swaps == 0
     assert ta == hf_greedy(tiny, a, 30) and tb == hf_greedy(tiny, b, 4)
     eng.close()
 
 
-@pytest.mark.parametrize("bad", [{"scheduling_policy": "lifo"}, {"max_swaps": -1}])
+@pytest.mark.parametrize("bad", [{"scheduling_policy": "lifo"}, {"max_swaps": -1}, {"starvation_factor": 0.5}])
 def test_a_bad_policy_is_a_config_error(bad):
     with pytest.raises(ConfigError):
         EngineConfig(**bad).validate()
@@ -85,14 +88,15 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
+@pytest.mark.parametrize("policy", ["first-token", "remaining-work"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(9, 40), min_size=2, max_size=4), arrivals=st.lists(st.integers(0, 12), min_size=4,
        max_size=4), max_tokens=st.integers(2, 12), spare=st.integers(0, 6), max_swaps=st.integers(0, 3),
        seed=st.integers(0, 2**16))
 def test_any_arrivals_under_a_tight_budget_swap_and_still_give_generates_tokens(tiny, lengths, arrivals, max_tokens,
-                                                                                 spare, max_swaps, seed):
+                                                                                 spare, max_swaps, seed, policy):
     need = -(-(max(lengths) + max_tokens) // 4)
-    eng = engine(tiny, "first-token", num_blocks=need + spare, max_swaps=max_swaps)
+    eng = engine(tiny, policy, num_blocks=need + spare, max_swaps=max_swaps)
     prompts = [ids(n, seed + i) for i, n in enumerate(lengths)]
     tokens, added, step = {}, {}, 0
     while len(added) < len(prompts) or eng.has_unfinished():

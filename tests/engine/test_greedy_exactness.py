@@ -10,6 +10,7 @@ from kvflow.engine.paged_cache import PagedKVCache
 from tests.engine.helpers import hf_greedy, ids
 
 MAX = 10
+POLICIES = ("fcfs", "first-token", "remaining-work")     # engine.scheduling_policy: the order, never the tokens
 
 
 def assert_greedy(tiny, engine, prompts, max_tokens=MAX):
@@ -46,9 +47,10 @@ def test_decodes_over_long_contexts_as_two_matmuls_equal_generate(tiny, monkeypa
     assert_greedy(tiny, engine, [ids(n, 30 + n) for n in (9, 23, 41)])
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("budget,block", [(7, 4), (16, 16), (3, 5)])
-def test_a_small_token_budget_prefills_in_chunks_across_many_steps(tiny, budget, block):
-    engine = LLMEngine(tiny, EngineConfig(block_size=block, max_num_batched_tokens=budget))
+def test_a_small_token_budget_prefills_in_chunks_across_many_steps(tiny, budget, block, policy):
+    engine = LLMEngine(tiny, EngineConfig(block_size=block, max_num_batched_tokens=budget, scheduling_policy=policy))
     prompts = [ids(36, 3), ids(12, 4)]
     assert_greedy(tiny, engine, prompts)
     assert engine.stats.steps >= 48 // budget
@@ -70,8 +72,9 @@ def test_identical_prompts_arriving_together_share_nothing_uncomputed(tiny):
     assert_greedy(tiny, engine, [prompt, prompt, prompt])
 
 
-def test_preemption_under_a_tiny_block_budget_recomputes_and_changes_no_token(tiny):
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=7, block_size=4))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_preemption_under_a_tiny_block_budget_recomputes_and_changes_no_token(tiny, policy):
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=7, block_size=4, scheduling_policy=policy))
     assert_greedy(tiny, engine, [ids(9, 9), ids(10, 10)], max_tokens=14)
     assert engine.stats.preemptions >= 1
     assert engine.blocks.num_free == engine.num_blocks
@@ -101,15 +104,17 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4), max_tokens=st.integers(1, 6),
        block=st.integers(1, 17), budget=st.integers(1, 48), spare=st.integers(0, 12), shared=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_any_block_size_budget_and_block_count_gives_generates_tokens(tiny, lengths, max_tokens, block, budget,
-                                                                      spare, shared, seed):
+                                                                      spare, shared, seed, policy):
     base = ids(40, seed)
     prompts = [base[:n] if shared else ids(n, seed + i) for i, n in enumerate(lengths)]
     need = -(-(max(lengths) + max_tokens) // block)
-    engine = LLMEngine(tiny, EngineConfig(block_size=block, max_num_batched_tokens=budget, num_blocks=need + spare))
+    engine = LLMEngine(tiny, EngineConfig(block_size=block, max_num_batched_tokens=budget, num_blocks=need + spare,
+                                          scheduling_policy=policy))
     assert_greedy(tiny, engine, prompts, max_tokens)
     assert engine.blocks.num_free == engine.num_blocks and not engine.has_unfinished()

@@ -84,7 +84,7 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
                                              "(docs: kvflow/demo/chat.py)"),
                 configs: str = typer.Option("resident,recompute,cacheflow",
                                             help="local kvflow configurations: resident (no pool) or a strategy "
-                                                 "restoring pool hits; +fcfs or +first-token (the default) picks "
+                                                 "restoring pool hits; +fcfs, +first-token or +remaining-work (the default) picks "
                                                  "the scheduling policy, e.g. cacheflow+fcfs"),
                 kv_share: float = typer.Option(0.25, help="resident KV budget as a share of the working set"),
                 users: int = typer.Option(8), rounds: Optional[int] = typer.Option(None, help="chat: 12, else 4"),

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvflow.config import _parse_size, check, load_section
 from kvflow.planner import STRATEGIES
 
-SCHEDULING_POLICIES = ("fcfs", "first-token")
+SCHEDULING_POLICIES = ("fcfs", "first-token", "remaining-work")
 AUTO = "auto"
 
 
@@ -26,8 +26,10 @@ class EngineConfig:
     strategy: str = "cacheflow"           # restoration strategy for pool hits (any of kvflow.planner.STRATEGIES)
     pool_min_tokens: int = 1              # a pool hit must add at least this many tokens over the resident hit
     async_restore: bool = False           # True: restore pool hits on a 1-thread worker while steps go on (threads.py)
-    scheduling_policy: str = "first-token"  # or "fcfs": first tokens before later ones, swaps via the pool (scheduler.py)
+    scheduling_policy: str = "remaining-work"  # or "first-token", "fcfs": the order of prefills and admissions
+    #                                       (scheduler.py); remaining-work and first-token swap decoders for a first token
     max_swaps: int = 3                    # first-token policy: times one sequence may be swapped out for others
+    starvation_factor: float = 4.0        # remaining-work policy: a first token within F x its FCFS steps (+1 step)
     write_queue: int = 64                 # pending pool writes at most; a full queue drops (and counts) writes
     activation_reserve: int = 0           # bytes of prefill activations ("64M"); 0: measured at start-up (reserve.py)
     elastic_reserve: bool = False         # lend the prefill activation reserve as KV blocks while only decodes run
@@ -60,6 +62,7 @@ class EngineConfig:
         check(self.scheduling_policy in SCHEDULING_POLICIES, f"engine.scheduling_policy {self.scheduling_policy!r}: "
               f"use one of {', '.join(SCHEDULING_POLICIES)}")
         check(self.max_swaps >= 0, f"engine.max_swaps must be >= 0, got {self.max_swaps}")
+        check(self.starvation_factor >= 1, f"engine.starvation_factor must be >= 1, got {self.starvation_factor}")
         check(self.pool_min_tokens >= 1, "engine.pool_min_tokens must be >= 1")
         check(self.write_queue >= 1, "engine.write_queue must be >= 1")
         check(self.activation_reserve >= 0, f"engine.activation_reserve must be >= 0, got {self.activation_reserve}")

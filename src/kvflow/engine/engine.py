@@ -144,7 +144,8 @@ class LLMEngine:
         self._restorer = (ThreadPoolExecutor(1, thread_name_prefix="kvflow-restore", initializer=single_threaded)
                           if self.pool else None)     # one OpenMP team per process: kvflow/threads.py
         self._jobs: list[_RestoreJob] = []
-        self.scheduler = Scheduler(cfg, self.blocks, self.pool.lookup if self.pool else None, self._store)
+        self.scheduler = Scheduler(cfg, self.blocks, self.pool.lookup if self.pool else None, self._store,
+                                   self.pool.predicted_s if self.pool else None)
         if self.elastic is not None:
             self.elastic.attach(self)
         eos = getattr(runner.hf_model.generation_config, "eos_token_id", None)

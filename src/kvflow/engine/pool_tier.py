@@ -20,6 +20,7 @@ import torch
 
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.model.runner import parse_dtype
+from kvflow.planner import Request
 from kvflow.pool.write_queue import WriteQueue
 
 
@@ -44,6 +45,15 @@ class PoolTier:
         self.counters["lookups"] += 1
         req, _ = self.restorer.lookup(torch.as_tensor(token_ids, dtype=torch.long), 1)
         return req.stored_chunks * self.chunk_tokens
+
+    def predicted_s(self, num_tokens: int, resident: int, stored: int) -> float:
+        """Predicted seconds to a prompt's first-token logits from what is cached (the scheduler's remaining-work
+        rank): the planner's restoration of a pool hit [0, stored) with the rest as its query, else a prefill of
+        [resident, num_tokens) — both priced by the restorer's calibrated cost model, the one plans are made with."""
+        if stored > resident:
+            req = Request(stored, num_tokens - stored, stored // self.chunk_tokens)
+            return self.restorer.planner().plan(self.strategy, req).predicted.ttft_s
+        return self.restorer.planned_cost().compute_time(num_tokens - resident, resident, self.num_layers)
 
     def restore(self, requests: list[tuple[list[int], list[int]]]):
         """RestoreResults (``.kv`` per layer [1, H, ctx+query, D], ``.logits``) of (context, query) pairs."""

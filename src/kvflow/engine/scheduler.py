@@ -25,6 +25,23 @@ without a pool swaps nobody and runs FCFS::
 
 A request's time to first token is then one step plus its restoration and prefill, whatever the others hold; the
 decoders swapped for it pause for about one answer's length (their inter-token latency shows it).
+
+``scheduling_policy = "remaining-work"`` keeps the first-token swaps and orders prefill work by how close each request
+is to its first token. Each step: every decode takes its one token first; then the prefill candidates — running
+prompts still prefilling and waiting requests — are served in rank order, each taking what is left of the budget
+(a short prompt's chunk goes before a long one's, which takes the rest; a waiting one is admitted when it is reached
+and its blocks fit, and nobody is admitted past one that does not fit)::
+
+    rank   due (passed over too long), by arrival  <  work to first token, smallest first  <  has a token, by arrival
+    work   waiting:  a pool hit s over resident r: the planner's predicted restore of [0, s) + prefill of the rest
+                     otherwise: the cost model's prefill of [r, n)          (no pool, no cost model: n - r tokens)
+           running:  prefill of what is left, [num_computed, n)
+
+Starvation is bounded by ``starvation_factor`` F: a request is *due* once the prefill tokens given to requests that
+arrived after it (while it had no token) reach (F - 1) x its uncached tokens; due requests go first, oldest first.
+So at most (F - 1) x its own work goes to later arrivals before it; the rest of what precedes it arrived earlier, and
+FCFS computes that before it too. When blocks are not what it waits for, its first token comes within F x its FCFS
+steps plus two (tests/engine/test_scheduler_policy.py checks it on random queues). F = 1 is FCFS order.
 """
 
 from __future__ import annotations
@@ -60,9 +77,12 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager,
                  pool_lookup: Callable[[list[int]], int] | None = None,
-                 on_preempt: Callable[[Sequence], None] | None = None):
+                 on_preempt: Callable[[Sequence], None] | None = None,
+                 work: Callable[[int, int, int], float] | None = None):
         self.config, self.blocks = config, blocks
         self.pool_lookup, self.on_preempt = pool_lookup, on_preempt
+        # remaining-work policy: (num_tokens, resident hit, pool hit) -> predicted work to the first token
+        self.work = work or (lambda n, resident, stored: float(n - max(resident, stored)))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -73,6 +93,24 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        if self.config.scheduling_policy != "remaining-work":
+            return self._schedule_in_order()
+        out = self._schedule_by_work()
+        self._age(out)
+        return out
+
+    def _age(self, out: SchedulerOutput) -> None:
+        """Every request still without a token is passed over by the prefill tokens this step gave to later arrivals
+        without a token (seq ids grow with arrival)."""
+        given = [(s.seq.seq_id, s.num_tokens) for s in out.scheduled if s.seq.first_token_s is None]
+        if not given:
+            return
+        for seq in (*self.waiting, *self.running):
+            if seq.first_token_s is None:
+                seq.passed_over += sum(n for sid, n in given if sid > seq.seq_id)
+
+    def _schedule_in_order(self) -> SchedulerOutput:
+        """fcfs / first-token: running sequences in admission order, then admission."""
         out, budget, bm = SchedulerOutput(), self.config.max_num_batched_tokens, self.blocks
         if self.config.scheduling_policy == "first-token":
             self._make_room(out)
@@ -99,28 +137,95 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self._next_waiting()
-            if not bm.can_allocate(seq):
+            if not self._admit(seq, budget, out):
                 break
-            if not self.config.chunked_prefill:
-                hit = len(bm.match_prefix(seq.token_ids)[0]) * bm.block_size
-                if seq.num_tokens - max(hit, self._stored(seq)) > budget:
-                    break
-            self.waiting.remove(seq)
-            hit = bm.allocate(seq)
-            seq.num_computed = hit
-            stored = self._stored(seq)
-            seq.pool_restore = stored if stored >= hit + self.config.pool_min_tokens else 0
-            if not seq.admitted_once:
-                seq.resident_hit_tokens, seq.pool_hit_tokens = hit, max(seq.pool_restore - hit, 0)
-                seq.admitted_once = True
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            start = seq.pool_restore or seq.num_computed
-            n = min(seq.num_tokens - start, budget)
-            out.scheduled.append(Scheduled(seq, n, start))
-            out.admitted.append(seq)
-            budget -= n
+            budget -= out.scheduled[-1].num_tokens
         return out
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        """Admit waiting ``seq`` with its first slice of ``budget`` tokens, if its blocks (and, without chunked
+        prefill, its whole prompt) fit."""
+        bm = self.blocks
+        if not bm.can_allocate(seq):
+            return False
+        if not self.config.chunked_prefill:
+            hit = len(bm.match_prefix(seq.token_ids)[0]) * bm.block_size
+            if seq.num_tokens - max(hit, self._stored(seq)) > budget:
+                return False
+        self.waiting.remove(seq)
+        hit = bm.allocate(seq)
+        seq.num_computed = hit
+        stored = self._stored(seq)
+        seq.pool_restore = stored if stored >= hit + self.config.pool_min_tokens else 0
+        if not seq.admitted_once:
+            seq.resident_hit_tokens, seq.pool_hit_tokens = hit, max(seq.pool_restore - hit, 0)
+            seq.admitted_once = True
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        start = seq.pool_restore or seq.num_computed
+        out.scheduled.append(Scheduled(seq, min(seq.num_tokens - start, budget), start))
+        out.admitted.append(seq)
+        return True
+
+    def _schedule_by_work(self) -> SchedulerOutput:
+        """remaining-work: decodes first (one token each), then prefill slices and admissions in rank order."""
+        out, budget, bm = SchedulerOutput(), self.config.max_num_batched_tokens, self.blocks
+        self._make_room(out)
+        prefilling = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.restoring:
+                continue
+            if seq.remaining > 1:
+                prefilling.append(seq)
+                continue
+            if budget <= 0:
+                break
+            while not bm.can_append(seq):
+                victim = self._victim()
+                self.running.remove(victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim in prefilling:
+                    prefilling.remove(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            bm.append(seq)
+            out.scheduled.append(Scheduled(seq, 1, seq.num_computed))
+            budget -= 1
+        admitting = not out.preempted
+        for seq in sorted([*prefilling, *self.waiting], key=self._rank):
+            if budget <= 0:
+                break
+            if seq.status is Status.RUNNING:
+                if seq in self.running:           # not preempted by a decode above
+                    n = min(seq.remaining, budget)
+                    out.scheduled.append(Scheduled(seq, n, seq.num_computed))
+                    budget -= n
+            elif admitting and len(self.running) < self.config.max_num_seqs and self._admit(seq, budget, out):
+                budget -= out.scheduled[-1].num_tokens
+            else:
+                admitting = False                 # nobody is admitted past a better-ranked request that waits
+        return out
+
+    def _rank(self, seq: Sequence) -> tuple:
+        """remaining-work order (smaller first): due requests by arrival, then by predicted work to the first token,
+        then sequences that already have a token (swapped or preempted decoders) by arrival."""
+        if seq.first_token_s is not None:
+            return (2, 0.0, seq.seq_id)
+        if seq.work is None:                       # waiting, not estimated since it arrived or was preempted
+            resident = len(self.blocks.match_prefix(seq.token_ids)[0]) * self.blocks.block_size
+            stored = self._stored(seq)
+            stored = stored if stored >= resident + self.config.pool_min_tokens else 0
+            seq.work = self.work(seq.num_tokens, resident, stored)
+            if seq.work_tokens < 0:                # the aging threshold: its uncached tokens when first seen
+                seq.work_tokens = seq.num_tokens - max(resident, stored)
+        if seq.passed_over >= (self.config.starvation_factor - 1) * seq.work_tokens:
+            return (0, 0.0, seq.seq_id)
+        if seq.status is Status.RUNNING:
+            return (1, self.work(seq.num_tokens, seq.num_computed, 0), seq.seq_id)
+        return (1, seq.work, seq.seq_id)
 
     def _next_waiting(self) -> Sequence:
         """The next sequence to admit: FCFS, or under the first-token policy the first one without a token yet."""
@@ -129,10 +234,14 @@ class Scheduler:
         return self.waiting[0]
 
     def _first_without_token(self) -> Sequence | None:
+        """The waiting request a swap makes room for: the first without a token (remaining-work: the best-ranked)."""
+        if self.config.scheduling_policy == "remaining-work":
+            return min((s for s in self.waiting if s.first_token_s is None), key=self._rank, default=None)
         return next((s for s in self.waiting if s.first_token_s is None), None)
 
     def _make_room(self, out: SchedulerOutput) -> None:
-        """First-token policy: swap out decoding sequences until the first waiting request without a token fits."""
+        """First-token policy: swap out decoding sequences until the first waiting request without a token fits
+        (remaining-work: the best-ranked one, and prompts still prefilling that rank below it may be swapped too)."""
         bm = self.blocks
         head = self._first_without_token() if self.pool_lookup is not None else None
         if head is None:
@@ -144,6 +253,11 @@ class Scheduler:
         victims = sorted((s for s in self.running if s.first_token_s is not None and not s.restoring
                           and s.num_swaps < self.config.max_swaps),
                          key=lambda s: (s.params.max_tokens - s.num_output, len(s.block_table)), reverse=True)
+        if self.config.scheduling_policy == "remaining-work":     # then prompts still prefilling that rank below it
+            rank = self._rank(head)
+            victims += sorted((s for s in self.running if s.first_token_s is None and not s.restoring
+                               and s.num_swaps < self.config.max_swaps and self._rank(s) > rank),
+                              key=self._rank, reverse=True)
         growing = sum(1 for s in self.running if bm.blocks_for(s.num_tokens) > len(s.block_table))
         free, chosen = bm.num_free - growing, []
         for v in victims:
@@ -174,6 +288,7 @@ class Scheduler:
             self.on_preempt(seq)
         self.blocks.free_seq(seq)
         seq.status, seq.num_computed, seq.pool_restore = Status.WAITING, 0, 0
+        seq.work = None                    # re-estimated at its next ranking (its hits changed)
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 

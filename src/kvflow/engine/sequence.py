@@ -38,6 +38,9 @@ class Sequence:
     abort_pending: bool = False      # aborted while restoring: freed when the restoration returns
     num_preemptions: int = 0          # preempted or swapped out, any number of times
     num_swaps: int = 0                # ... swapped out for another request's first token (first-token policy)
+    work: float | None = None         # remaining-work policy: predicted work to its first token (None: not ranked yet)
+    work_tokens: int = -1             # ... its uncached tokens when first ranked (the aging threshold's unit)
+    passed_over: int = 0              # ... prefill tokens given to later arrivals while it had no token
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_text: str | None = None       # the stop string that ended it, if any
     text: str = ""                     # detokenized output so far (stop strings are cut off)
