@@ -104,6 +104,7 @@ class PeerProfile:
     nice: bool = False
     startup_s: float = 600.0
     term_s: float = 10.0
+    max_positions: int | None = None    # the model's (vLLM refuses a max_model_len beyond them)
 
     @property
     def peer_block_size(self) -> int:
@@ -121,8 +122,9 @@ class PeerProfile:
 
     @property
     def max_model_len(self) -> int:
-        """The whole usable budget: a request that could never fit is refused instead of waiting forever."""
-        return (self.num_blocks - 1) * self.peer_block_size
+        """The whole usable budget (at most the model's positions): a request that could never fit is refused
+        instead of waiting forever."""
+        return min((self.num_blocks - 1) * self.peer_block_size, self.max_positions or 2**62)
 
     def served_name(self, checkpoint: Path) -> str:
         return self.served
@@ -329,7 +331,8 @@ def running_peer(name: str, runner, served_name: str, kv_tokens: int, block_size
             checkpoint = Path(tmp) / "checkpoint"
             runner.hf_model.save_pretrained(checkpoint)
         profile = PeerProfile(served_name, kv_tokens, runner.kv_bytes_per_token(), block_size,
-                              max_num_batched_tokens, seed=seed, startup_s=timeout_s)
+                              max_num_batched_tokens, seed=seed, startup_s=timeout_s,
+                              max_positions=runner.max_positions)
         peer = VLLMServer(venv, checkpoint, profile, folder / "vllm.log", name="the vLLM peer")
         with sigterm_as_interrupt(), peer:
             peer.warm_up()
