@@ -4,10 +4,14 @@
     r = Restorer(load_model("tiny"), KVPool.memory())
 """
 
-from kvflow.errors import KVFlowError
-from kvflow.model import KVCache, ModelRunner, load_model
-from kvflow.pool import KVPool
-from kvflow.restorer import Restorer, RestoreResult
+from kvflow.threads import passive_omp_wait
+
+passive_omp_wait()                 # before torch loads libgomp (kvflow/threads.py)
+
+from kvflow.errors import KVFlowError  # noqa: E402
+from kvflow.model import KVCache, ModelRunner, load_model  # noqa: E402
+from kvflow.pool import KVPool  # noqa: E402
+from kvflow.restorer import Restorer, RestoreResult  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["KVFlowError", "KVCache", "ModelRunner", "load_model", "KVPool", "Restorer", "RestoreResult"]

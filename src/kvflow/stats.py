@@ -74,6 +74,28 @@ def proc_status_bytes(field: str, pid: int | str = "self") -> int:
     raise OSError(f"/proc/{pid}/status has no {field}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) a process and its live descendants have used (Linux /proc; threads included).
+    Unlike wall time, on a machine shared with others it measures the work a server did, not how long it waited."""
+    parent, used = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()      # after the command name (may hold spaces)
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        used[int(entry)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        tree.add(p)
+        todo.extend(c for c, pp in parent.items() if pp == p and c not in tree)
+    return sum(used.get(p, 0.0) for p in tree)
+
+
 def rss_bytes(pid: int | str = "self") -> int:
     """Resident set size of a process (Linux /proc); 0 when /proc does not say."""
     try:

@@ -18,6 +18,16 @@ def test_bench_decode_reports_the_same_tokens_batched_and_alone(tmp_path, capsys
     assert res["decode_speedup_each"] == pytest.approx([res["decode_speedup"]])
 
 
+def test_bench_decode_against_a_peer_reports_kvflow_over_the_peer_per_round_median_and_spread():
+    from kvflow.bench.decode_peer import _row
+    ours = [{"tpot_s": 0.10, "tok_s": 40.0}, {"tpot_s": 0.12, "tok_s": 30.0}, {"tpot_s": 0.30, "tok_s": 10.0}]
+    theirs = [{"tpot_s": 0.20, "tok_s": 20.0}, {"tpot_s": 0.10, "tok_s": 30.0}, {"tpot_s": 0.15, "tok_s": 20.0}]
+    row = _row(8, ours, theirs, "vllm")
+    assert row["batch"] == 8 and row["kvflow_tpot_ms"] == pytest.approx(120) and row["vllm_tpot_ms"] == pytest.approx(150)
+    assert row["tpot_ratio"] == pytest.approx(1.2) and row["tpot_ratio_spread"] == "0.50-2.00"   # 0.5, 1.2, 2.0
+    assert row["tok_s_ratio"] == pytest.approx(1.0) and row["tok_s_ratio_spread"] == "0.50-2.00"  # 2, 1, 0.5
+
+
 def test_bench_serve_drives_a_multi_round_chat_through_the_openai_client(tmp_path):
     assert main(["bench", "serve", "--configs", "resident", "--users", "2", "--rounds", "2", "--rate", "50",
                  "--repeats", "2",
@@ -36,6 +46,10 @@ def test_bench_serve_drives_a_multi_round_chat_through_the_openai_client(tmp_pat
                                   ["bench", "serve", "--workload", "poetry"],
                                   ["bench", "serve", "--url", "http://127.0.0.1:9/v1"],
                                   ["bench", "decode", "--sequences", "1"],
+                                  ["bench", "decode", "--peer", "sglang"],
+                                  ["bench", "decode", "--peer", "vllm", "--batches", "0,8"],
+                                  ["bench", "decode", "--peer", "vllm", "--max-tokens", "1"],
+                                  ["bench", "decode", "--peer", "vllm", "--peer-venv", "/nonexistent/venv"],
                                   ["bench", "startup", "--model", "/nonexistent/checkpoint", "--no-peer"],
                                   ["bench", "startup", "--model", "tiny", "--peer-venv", "/nonexistent/venv"],
                                   ["serve", "--port", "70000"]])

