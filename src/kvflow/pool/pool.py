@@ -417,6 +417,8 @@ class KVPool:
             raise ValueError("longest_prefix needs the layer groups every chunk must have")
         t0 = time.perf_counter()
         st = self._state
+        if self._down:                   # a lookup re-probes too: a restore that finds nothing never reads
+            self._revive()
         n, table, slots = 0, st.table, st.slots
         # Hot path (512 chunks x dozens of groups at 128K tokens): record digests without building ChunkKeys.
         tails = [layer_tail(g, kind) for g in layer_groups]
