@@ -386,8 +386,10 @@ class RemoteStore:
         if skipped:
             with self._lock:
                 self.skipped += skipped
-            error = error or OSError(errno.ETIMEDOUT, f"{self.name}: {skipped} requests to suspect nodes not sent")
-            if self._all_suspect():
+            hung = self._all_suspect()        # the store itself hangs: a failed round; else one node: misses
+            error = error or OSError(errno.ETIMEDOUT if hung else errno.EHOSTDOWN,
+                                     f"{self.name}: {skipped} requests to suspect nodes not sent")
+            if hung:
                 failed += skipped
         return Answer(out, len(futures), failed, error)
 
