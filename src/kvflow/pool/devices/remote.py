@@ -151,6 +151,8 @@ class RemoteStore:
         self._suspect: dict[str, float] = {}     # node name -> when it last failed to answer within timeout_s
         self._refresh = False                    # a MOVED reply: the slot map is refreshed in the background
         self._prober: threading.Thread | None = None
+        self._node_clients: dict[str, object] = {}   # every node client a round used: closed at close (a map
+        #                                              refresh drops a failed node's client with its idle connections)
         self._closed = threading.Event()
         self.reachable = True
         self.unreachable = ""
@@ -262,8 +264,9 @@ class RemoteStore:
         try:
             conn.ping()
         except redis.RedisError as err:
-            if isinstance(err, redis.TimeoutError):
-                self._count_wait()
+            if isinstance(err, (redis.TimeoutError, redis.ConnectionError)):
+                if isinstance(err, redis.TimeoutError):
+                    self._count_wait()
                 self._suspect_node(name)
             raise _os_error(err, self.name) from None
 
@@ -275,13 +278,15 @@ class RemoteStore:
     def close(self) -> None:
         self._closed.set()
         prober = self._prober
-        if prober is not None:
-            prober.join(4 * self.cfg.timeout_s + 1.0)   # a probe in flight ends within its socket timeouts
-        if self._client is not None:
-            try:
-                self._client.close()
-            except Exception:   # closing a half-dead connection pool must not fail the pool's close
-                pass
+        if prober is not None:     # a probe in flight ends within its socket timeouts (a map refresh: one per node)
+            nodes = len(self._client.get_nodes()) if self.cfg.cluster and self._client is not None else 1
+            prober.join(self.cfg.timeout_s * (2 * nodes + 4))
+        for client in [self._client, *self._node_clients.values()]:
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:   # closing a half-dead connection pool must not fail the pool's close
+                    pass
 
     def describe(self) -> dict:
         return {"cluster": self.cfg.cluster, "tls": bool(self.tls or self.cfg.tls), "reachable": self.reachable,
@@ -304,8 +309,8 @@ class RemoteStore:
             self._suspect[name] = time.monotonic()
             self._start_prober()
         if new:
-            log.warning("pool: %s: node %s did not answer within %.3g s; its records are misses until it answers "
-                        "again (asked every %.3g s in the background)", self.name, name, self.cfg.timeout_s,
+            log.warning("pool: %s: node %s does not answer (timeout_s %.3g s); its records are misses until it "
+                        "answers again (asked every %.3g s in the background)", self.name, name, self.cfg.timeout_s,
                         SUSPECT_REPROBE_S)
 
     def _start_prober(self) -> None:
@@ -332,6 +337,8 @@ class RemoteStore:
                 except (redis.RedisError, redis.exceptions.RedisClusterException):
                     pass
             for name in names:
+                if self._closed.is_set():     # close() waits for this thread, then closes every connection
+                    return
                 try:
                     if self.cfg.cluster:
                         node = client.get_node(node_name=name)
@@ -395,14 +402,15 @@ class RemoteStore:
 
     def _send(self, node: str, conn, op: str, keys: list[bytes], values: list | None, ttl: int) -> list:
         """One request, unless its node is suspect (checked when it starts: a request queued behind the one that
-        timed out is not sent). A timeout makes the node suspect."""
+        timed out is not sent). A timeout, or a connection refused after the one retry, makes the node suspect (a
+        killed master: the background map refresh then finds the replica that took over its slots)."""
         import redis
 
         if node in self._suspect:
             raise _Skipped(node)
         try:
             return self._pipelined(conn, op, keys, values, ttl)
-        except redis.TimeoutError:
+        except (redis.TimeoutError, redis.ConnectionError):   # hangs, or refuses even a fresh connection: down
             self._suspect_node(node)
             raise
 
@@ -428,6 +436,7 @@ class RemoteStore:
                     groups.setdefault(node.name, []).append(i)
                 nodes = {n.name: n for n in client.get_nodes()}
                 pairs = [(name, client.get_redis_connection(nodes[name]), idx) for name, idx in groups.items()]
+                self._node_clients.update((name, conn) for name, conn, _ in pairs)
             else:
                 pairs = [(self._node_name, client, list(range(len(keys))))]
         except (redis.RedisError, redis.exceptions.RedisClusterException) as err:
