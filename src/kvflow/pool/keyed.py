@@ -8,7 +8,9 @@
     placement ────────────────► weights        (``copy``: stores take no stripes while a local device can)
 
 A store that answers no request of a round counts as one I/O error of its slot (three in a row take it out of
-service); a node that fails makes its records misses. Keyed transfers pay the slot's throttle like striped reads.
+service); a node that fails makes its records misses. A node that hangs is waited for once: its first timeout makes
+it suspect and the store sends it nothing until its background re-probe finds it answering (``devices/remote.py``),
+so the later rounds of a restore (the binary search, the GETs) and later restores find its records missing at once. Keyed transfers pay the slot's throttle like striped reads.
 """
 
 from __future__ import annotations

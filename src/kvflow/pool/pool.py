@@ -57,6 +57,7 @@ _REPROBE_S = 30.0          # a device out of service is tried again this long af
 _RETRIES = 2               # a transient I/O error is retried this many times before it counts
 _FULL = {errno.ENOSPC, errno.EDQUOT}   # a full disk: this put fails there, the device stays in service
 _TRANSIENT = {errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT}
+_NODE_DOWN = errno.EHOSTDOWN   # one node of a keyed store is suspect (devices/remote.py): the store stays in service
 _DEFAULT_BW = 1e9          # assumed when a device was never probed (read-only open of an unprobed pool)
 
 
@@ -417,6 +418,8 @@ class KVPool:
             raise ValueError("longest_prefix needs the layer groups every chunk must have")
         t0 = time.perf_counter()
         st = self._state
+        if self._down:                   # a lookup re-probes too: a restore that finds nothing never reads
+            self._revive()
         n, table, slots = 0, st.table, st.slots
         # Hot path (512 chunks x dozens of groups at 128K tokens): record digests without building ChunkKeys.
         tails = [layer_tail(g, kind) for g in layer_groups]
@@ -645,6 +648,10 @@ class KVPool:
                 s.counters["full"] += 1
             log.warning("pool: %s on %s: no space left; the records of this put there are not stored (the device "
                         "stays in service)", what, s.device.name)
+            return
+        if getattr(err, "errno", None) == _NODE_DOWN:   # its records there are misses; the store logged the node once
+            with st.lock:
+                s.counters["errors"] += 1
             return
         with st.lock:
             s.counters["errors"] += 1

@@ -16,7 +16,14 @@ parallel. The pool asks it for what its own index does not know through ``kvflow
 on it through its striped view (``KeyedDevice``, what ``RemoteStore.open`` returns).
 
 Eviction is the store's (``maxmemory-policy allkeys-lru``): a record it evicted, or lost with a node restarted
-empty, is a miss and the restorer recomputes it. A node that fails makes its records misses. The store unreachable
+empty, is a miss and the restorer recomputes it. A node that fails makes its records misses.
+
+A node that hangs (a cut link, a frozen process) costs one wait, not one per round: the first request to it that
+times out (``timeout_s``) makes it *suspect*; from then on no request is sent to it — its records are misses at
+once, in the rounds of the same restore and of every later one — while a background thread asks it again every
+``SUSPECT_REPROBE_S`` (a PING; on a cluster first a refresh of the slot map, which finds a replica that took over).
+When it answers it is in service again. No request ever waits on the cluster client's own retries or map refresh:
+rounds go straight to the node clients, and ``ping`` PINGs one node that is not suspect. The store unreachable
 at start is one ConfigError (``required: false``: the pool starts without it, a warning, until the pool's re-probe
 finds it answering). Credentials come from the device config, ``pool.remote_username`` / ``remote_password`` /
 ``remote_password_file`` (``KVFLOW_POOL_REMOTE_PASSWORD[_FILE]``) or the URL, and are never logged; a wrong one, or
@@ -28,6 +35,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 import uuid
 from concurrent.futures import Executor, Future
 from urllib.parse import unquote, urlsplit
@@ -39,6 +47,7 @@ from kvflow.pool.devices.keyed import Answer, KeyedDevice
 log = logging.getLogger("kvflow.pool")
 
 BATCH = 32                   # keys per pipelined request: several requests per node run side by side
+SUSPECT_REPROBE_S = 1.0      # a suspect node is asked again this often, in the background (never by a request)
 TLS_KEYS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile", "ssl_password", "ssl_cert_reqs",
             "ssl_check_hostname", "ssl_ciphers", "ssl_min_version")
 
@@ -99,6 +108,10 @@ def _os_error(err: BaseException, name: str) -> OSError:
     return OSError(code, f"{name}: {type(err).__name__}: {str(err)[:200]}")
 
 
+class _Skipped(Exception):
+    """A request not sent: its node is suspect (its keys are misses)."""
+
+
 class RemoteStore:
     """A Redis / Valkey store (a cluster or one server) as a ``KeyedStore``: ``name`` is stored under
     ``key_prefix + name``; every batched call is one pipelined round, its per-node requests side by side."""
@@ -133,6 +146,14 @@ class RemoteStore:
         self._lock = threading.Lock()
         self._client = None
         self.rounds = 0
+        self.timed_out_rounds = 0                # rounds (and pings) in which a request waited out timeout_s
+        self.skipped = 0                         # requests not sent: their node was suspect
+        self._suspect: dict[str, float] = {}     # node name -> when it last failed to answer within timeout_s
+        self._refresh = False                    # a MOVED reply: the slot map is refreshed in the background
+        self._prober: threading.Thread | None = None
+        self._node_clients: dict[str, object] = {}   # every node client a round used: closed at close (a map
+        #                                              refresh drops a failed node's client with its idle connections)
+        self._closed = threading.Event()
         self.reachable = True
         self.unreachable = ""
         try:
@@ -226,22 +247,119 @@ class RemoteStore:
         self._call(lambda c: [c.unlink(k) for k in keys])
 
     def ping(self) -> None:
-        self._call(lambda c: c.exists(self._probe_key))
+        """The store answers: one PING to a node that is not suspect (straight to it: no cluster retry or map
+        refresh); ETIMEDOUT at once when every node is suspect (the background re-probe brings them back)."""
+        import redis
+
+        try:
+            client = self.client()
+            nodes = ([(n.name, client.get_redis_connection(n)) for n in client.get_primaries()] if self.cfg.cluster
+                     else [(self._node_name, client)])
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as err:
+            raise _os_error(err, self.name) from None
+        live = [(name, conn) for name, conn in nodes if name not in self._suspect]
+        if not live:
+            raise OSError(errno.ETIMEDOUT, f"{self.name}: every node is suspect (asked again in the background)")
+        name, conn = live[0]
+        try:
+            conn.ping()
+        except redis.RedisError as err:
+            if isinstance(err, (redis.TimeoutError, redis.ConnectionError)):
+                if isinstance(err, redis.TimeoutError):
+                    self._count_wait()
+                self._suspect_node(name)
+            raise _os_error(err, self.name) from None
+
+    @property
+    def suspect(self) -> list[str]:
+        """Nodes that did not answer within timeout_s and have not answered since."""
+        return sorted(self._suspect)
 
     def close(self) -> None:
-        if self._client is not None:
-            try:
-                self._client.close()
-            except Exception:   # closing a half-dead connection pool must not fail the pool's close
-                pass
+        self._closed.set()
+        prober = self._prober
+        if prober is not None:     # a probe in flight ends within its socket timeouts (a map refresh: one per node)
+            nodes = len(self._client.get_nodes()) if self.cfg.cluster and self._client is not None else 1
+            prober.join(self.cfg.timeout_s * (2 * nodes + 4))
+        for client in [self._client, *self._node_clients.values()]:
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:   # closing a half-dead connection pool must not fail the pool's close
+                    pass
 
     def describe(self) -> dict:
-        return {"cluster": self.cfg.cluster, "tls": bool(self.tls or self.cfg.tls), "reachable": self.reachable}
+        return {"cluster": self.cfg.cluster, "tls": bool(self.tls or self.cfg.tls), "reachable": self.reachable,
+                "suspect_nodes": len(self._suspect), "timed_out_rounds": self.timed_out_rounds,
+                "skipped_requests": self.skipped}
+
+    # -- suspect nodes --------------------------------------------------------------------------------------
+    @property
+    def _node_name(self) -> str:
+        """The one server's node name (a cluster's nodes are named by the client)."""
+        return f"{self.seeds[0][0]}:{self.seeds[0][1]}"
+
+    def _count_wait(self) -> None:
+        with self._lock:
+            self.timed_out_rounds += 1
+
+    def _suspect_node(self, name: str) -> None:
+        with self._lock:
+            new = name not in self._suspect
+            self._suspect[name] = time.monotonic()
+            self._start_prober()
+        if new:
+            log.warning("pool: %s: node %s does not answer (timeout_s %.3g s); its records are misses until it "
+                        "answers again (asked every %.3g s in the background)", self.name, name, self.cfg.timeout_s,
+                        SUSPECT_REPROBE_S)
+
+    def _start_prober(self) -> None:
+        """Lock held. The background re-probe, unless it runs (it ends once nothing is suspect)."""
+        if self._prober is None and not self._closed.is_set():
+            self._prober = threading.Thread(target=self._reprobe, name="kvflow-reprobe", daemon=True)
+            self._prober.start()
+
+    def _reprobe(self) -> None:
+        import redis
+
+        while not self._closed.wait(SUSPECT_REPROBE_S):
+            with self._lock:
+                names, refresh, self._refresh = list(self._suspect), self._refresh, False
+                if not names and not refresh:
+                    self._prober = None
+                    return
+            client = self._client
+            if client is None:
+                continue
+            if self.cfg.cluster:             # the slot map: a replica may have taken over a suspect node's slots
+                try:
+                    client.nodes_manager.initialize(last_failed_node_name=names[0] if names else None)
+                except (redis.RedisError, redis.exceptions.RedisClusterException):
+                    pass
+            for name in names:
+                if self._closed.is_set():     # close() waits for this thread, then closes every connection
+                    return
+                try:
+                    if self.cfg.cluster:
+                        node = client.get_node(node_name=name)
+                        if node is not None:   # None: it left the map (its slots went to a replica)
+                            client.get_redis_connection(node).ping()
+                    else:
+                        client.ping()
+                except (redis.RedisError, redis.exceptions.RedisClusterException):
+                    continue
+                with self._lock:
+                    self._suspect.pop(name, None)
+                log.warning("pool: %s: node %s answers again; back in service", self.name, name)
 
     # -- batched, pipelined access --------------------------------------------------------------------------
     def _round(self, op: str, names: list[bytes], values: list | None, io: Executor | None) -> Answer:
         """One pipelined round: every node's requests in parallel on ``io`` (inline without one). A value per
-        name: the command's reply, None where its node failed (an exception object where the command did)."""
+        name: the command's reply, None where its node failed or is suspect (an exception object where the
+        command failed). A suspect node's requests are not sent; they count as failed only when every node of the
+        store is suspect (the store itself hangs)."""
+        import redis
+
         keys = [self.key(n) for n in names]
         try:
             plan = self._batches(keys)
@@ -250,23 +368,63 @@ class RemoteStore:
         self.rounds += 1
         run = io.submit if io is not None else _now
         futures: list[tuple[list[int], Future]] = [
-            (idx, run(self._pipelined, conn, op, [keys[j] for j in idx],
+            (idx, run(self._send, node, conn, op, [keys[j] for j in idx],
                       None if values is None else [values[j] for j in idx], self.cfg.ttl_s))
-            for conn, idx in plan]
+            for node, conn, idx in plan]
         out: list = [None] * len(keys)
-        failed, first = 0, None
+        failed, skipped, waited, first = 0, 0, False, None
         for idx, fut in futures:
             try:
                 for j, r in zip(idx, fut.result()):
                     out[j] = r
+            except _Skipped:
+                skipped += 1
             except Exception as err:   # a node down or timing out: its keys are misses, the other nodes still serve
                 failed, first = failed + 1, first or err
+                waited = waited or isinstance(err, redis.TimeoutError)
+        if waited:
+            self._count_wait()
+        if any(isinstance(r, (redis.exceptions.MovedError, redis.exceptions.AskError)) for r in out):
+            with self._lock:               # the slot map is stale (a failover): refreshed in the background
+                self._refresh = True
+                self._start_prober()
         first = first or next((r for r in out if isinstance(r, Exception)), None)   # else a command's own error
-        return Answer(out, len(futures), failed, None if first is None else _os_error(first, self.name))
+        error = None if first is None else _os_error(first, self.name)
+        if skipped:
+            with self._lock:
+                self.skipped += skipped
+            hung = self._all_suspect()        # the store itself hangs: a failed round; else one node: misses
+            error = error or OSError(errno.ETIMEDOUT if hung else errno.EHOSTDOWN,
+                                     f"{self.name}: {skipped} requests to suspect nodes not sent")
+            if hung:
+                failed += skipped
+        return Answer(out, len(futures), failed, error)
 
-    def _batches(self, keys: list[bytes]) -> list[tuple[object, list[int]]]:
-        """(node client, indices into ``keys``) per pipelined request: keys grouped by the node serving their hash
-        slot (one server: one group), at most BATCH keys a request."""
+    def _send(self, node: str, conn, op: str, keys: list[bytes], values: list | None, ttl: int) -> list:
+        """One request, unless its node is suspect (checked when it starts: a request queued behind the one that
+        timed out is not sent). A timeout, or a connection refused after the one retry, makes the node suspect (a
+        killed master: the background map refresh then finds the replica that took over its slots)."""
+        import redis
+
+        if node in self._suspect:
+            raise _Skipped(node)
+        try:
+            return self._pipelined(conn, op, keys, values, ttl)
+        except (redis.TimeoutError, redis.ConnectionError):   # hangs, or refuses even a fresh connection: down
+            self._suspect_node(node)
+            raise
+
+    def _all_suspect(self) -> bool:
+        if not self.cfg.cluster:
+            return bool(self._suspect)
+        try:
+            return all(n.name in self._suspect for n in self.client().get_primaries())
+        except Exception:      # no client / no map: nothing answers
+            return True
+
+    def _batches(self, keys: list[bytes]) -> list[tuple[str, object, list[int]]]:
+        """(node name, node client, indices into ``keys``) per pipelined request: keys grouped by the node serving
+        their hash slot (one server: one group), at most BATCH keys a request."""
         import redis
 
         try:
@@ -277,12 +435,13 @@ class RemoteStore:
                     node = client.get_node_from_key(key)
                     groups.setdefault(node.name, []).append(i)
                 nodes = {n.name: n for n in client.get_nodes()}
-                pairs = [(client.get_redis_connection(nodes[name]), idx) for name, idx in groups.items()]
+                pairs = [(name, client.get_redis_connection(nodes[name]), idx) for name, idx in groups.items()]
+                self._node_clients.update((name, conn) for name, conn, _ in pairs)
             else:
-                pairs = [(client, list(range(len(keys))))]
+                pairs = [(self._node_name, client, list(range(len(keys))))]
         except (redis.RedisError, redis.exceptions.RedisClusterException) as err:
             raise _os_error(err, self.name) from None
-        return [(conn, idx[j:j + BATCH]) for conn, idx in pairs for j in range(0, len(idx), BATCH)]
+        return [(name, conn, idx[j:j + BATCH]) for name, conn, idx in pairs for j in range(0, len(idx), BATCH)]
 
     @staticmethod
     def _pipelined(conn, op: str, keys: list[bytes], values: list | None = None, ttl: int = 0) -> list:
