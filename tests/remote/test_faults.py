@@ -11,12 +11,12 @@ import pytest
 import redis
 
 from kvflow import KVPool, Restorer
+from kvflow.bench.faults import FaultProxy
 from kvflow.errors import ConfigError
 from kvflow.pool import pool as pool_module
 from kvflow.pool.devices.remote import RemoteStore
 from tests.remote.helpers import context, remote_cfg, remote_slot
 from kvflow.pool.redis_local import RedisProcs, redis_available
-from tests.remote.slow_proxy import SlowProxy
 from tests.restore.test_restore_exactness import assert_exact, ids, synthetic_cost
 
 C = 32
@@ -101,7 +101,7 @@ def test_a_store_down_at_start_leaves_the_pool_working_without_it_until_the_repr
 
 
 def test_a_slower_store_is_reprobed_into_a_smaller_share(server):
-    proxy = SlowProxy(server.ports[0])
+    proxy = FaultProxy(server.ports[0])
     try:
         cfg = {"devices": [{"type": "memory", "capacity": "16M", "bandwidth": "200M"},
                            {"type": "remote", "url": f"redis://127.0.0.1:{proxy.port}", "cluster": False}],

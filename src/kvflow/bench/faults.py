@@ -34,6 +34,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from kvflow.pool.devices.throttle import TokenBucket
 from kvflow.report import BenchRun, save_figure
 from kvflow.stats import percentile
 
@@ -56,15 +57,17 @@ class FaultTarget(Protocol):
 
 class FaultProxy:
     """A TCP relay in front of one node: passes bytes both ways; ``stalled`` holds every byte until cleared (a link
-    with 100% loss, whose TCP retransmits on heal); ``delay_s`` delays every reply segment."""
+    with 100% loss, whose TCP retransmits on heal); ``delay_s`` delays every reply segment; ``rate`` (bytes/s, None:
+    unlimited) passes replies through a token bucket — a slow link or store, changed live."""
 
-    def __init__(self, target_port: int):
+    def __init__(self, target_port: int, rate: float | None = None):
         self.target = ("127.0.0.1", target_port)
         self._listen = socket.create_server(("127.0.0.1", 0))
         self.port = self._listen.getsockname()[1]
         self._flowing = threading.Event()
         self._flowing.set()
         self.delay_s = 0.0
+        self.rate = rate
         self._socks: list[socket.socket] = []
         self._closed = False
         threading.Thread(target=self._accept, name=f"{PROXY}-accept", daemon=True).start()
@@ -76,6 +79,14 @@ class FaultProxy:
     @stalled.setter
     def stalled(self, value: bool) -> None:
         (self._flowing.clear if value else self._flowing.set)()
+
+    @property
+    def rate(self) -> float | None:
+        return self._bucket.rate if self._bucket else None
+
+    @rate.setter
+    def rate(self, value: float | None) -> None:
+        self._bucket = TokenBucket(value) if value else None
 
     def _accept(self) -> None:
         while not self._closed:
@@ -102,6 +113,8 @@ class FaultProxy:
                 self._flowing.wait()
                 if reply and self.delay_s:
                     time.sleep(self.delay_s)
+                if reply and (bucket := self._bucket) is not None:
+                    time.sleep(max(0.0, bucket.reserve(len(data)) - bucket.clock()))
                 dst.sendall(data)
         except OSError:
             pass
