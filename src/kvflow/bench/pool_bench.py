@@ -416,6 +416,7 @@ def figure(results: dict, path) -> None:
         panels += [_draw_loop_probe, _draw_loop_placements]
     if "mixed" in results:
         panels.append(_draw_mixed)
+    panels += [_long_panel(name) for name in results.get("long", {}).get("pools", {})]
     if not panels:
         return
 
@@ -480,6 +481,15 @@ def _draw_loop_placements(ax, results) -> None:
     caps = ":".join(f"{c:g}" for c in lp["options"]["caps"])
     _bars_over_sum(ax, lp["sum_raw_alone"], {n: r["read_bw"] for n, r in lp["placements"].items()},
                    f"kernel-capped loops ({caps}), / sum O_DIRECT alone")
+
+
+def _long_panel(name: str):
+    """One long-context pool (``--context N``): its read rate over the sum of its devices read alone."""
+    def draw(ax, results) -> None:
+        lc = results["long"]
+        p = lc["pools"][name]
+        _bars_over_sum(ax, p["sum_alone"], {"pool": p["read_bw"]}, f"{lc['tokens']:,} tokens: {name}")
+    return draw
 
 
 def _draw_mixed(ax, results) -> None:
