@@ -23,8 +23,10 @@ def test_rho_and_length_sweeps_write_json_and_pngs(tmp_path):
     points = result["rho_sweep"]
     assert [(p["rho"], p["latency_s"]) for p in points[:3]] == [(1.0, 0.0), (8.0, 0.0), (1.0, 0.001)]
     assert points[3]["pool"].startswith("disk")
-    # rho is defined once: the link is rho x the recompute rate measured at the start of the run
-    rate = result["recompute_rate_mib_s"] * 2**20
+    # rho is defined once per context: the link is rho x the KV bytes/s of recomputing that context, measured in the
+    # run (the short-context rate is reported beside it)
+    assert result["rho_basis"] == "context" and result["recompute_rate_mib_s"] > 0
+    rate = result["context_recompute_rate_mib_s"]["1024"] * 2**20
     assert points[0]["link_bytes_per_s"] == pytest.approx(rate) and points[1]["link_bytes_per_s"] == pytest.approx(8 * rate)
     for p in points + result["length_sweep"]:
         rows = {r["strategy"]: r for r in p["rows"]}
