@@ -462,13 +462,17 @@ def plot_rho(points: list[dict], path: Path, title: str) -> None:
 def plot_lengths(points: list[dict], path: Path, title: str) -> None:
     """TTFT of every strategy vs context length (log-log) with the measured bound dashed, and TTFT / bound."""
     lens = [p["context"] for p in points]
+    names = list(dict.fromkeys(s for p in points for s in p["rows"]))     # a strategy left out at a length: a gap
+
+    def at(s: str, field: str) -> list[float]:
+        return [p["rows"][s][field] if s in p["rows"] else math.nan for p in points]
 
     def draw(axes):
         ax, rel = axes
-        for s in points[0]["rows"]:
+        for s in names:
             lw = 2.5 if s == "cacheflow" else 1.2
-            ax.plot(lens, [p["rows"][s]["ttft_s"] for p in points], marker="o", label=s, lw=lw)
-            rel.plot(lens, [p["rows"][s]["vs_measured_bound"] for p in points], marker="o", label=s, lw=lw)
+            ax.plot(lens, at(s, "ttft_s"), marker="o", label=s, lw=lw)
+            rel.plot(lens, at(s, "vs_measured_bound"), marker="o", label=s, lw=lw)
         ax.plot(lens, [p["bound"]["measured_bound_s"] for p in points], "k--", lw=1, label="measured bound")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
