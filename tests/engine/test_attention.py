@@ -81,8 +81,8 @@ def test_a_step_holds_one_sequences_gathered_kv_at_a_time(tiny, monkeypatch):
     live, peak, sizes = [0], [0], []
     original = PagedKVCache.gather
 
-    def gather(self, layer, blocks, end):
-        k, v = original(self, layer, blocks, end)
+    def gather(self, layer, blocks, end, first=None):
+        k, v = original(self, layer, blocks, end)         # always the copy: this test counts copies
         n = k.numel() + v.numel()
         sizes.append(n)
         live[0] += n
@@ -127,3 +127,21 @@ def test_a_continuing_chunk_as_prefix_plus_diagonal_equals_one_masked_call(hq, k
     assert splits_at_the_chunk(q, start, n, None)
     assert not splits_at_the_chunk(q, start, n, 64) and not splits_at_the_chunk(q, 0, n, None)
     assert (prefix_plus_diagonal(q, k, v, start, 0.2) - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("table,end,run", [([3, 4, 5], 11, 3), ([3, 4, 5, 9], 11, 3), ([5, 2, 0], 11, None),
+                                           ([0, 1, 3], 11, None), ([7], 1, 7)])
+def test_a_gather_over_consecutive_blocks_is_a_view_equal_to_the_copy(table, end, run):
+    """Blocks with consecutive ids are read in place (views, nothing copied); any other table is copied; both give
+    the same K/V. Only the blocks that hold [0, end) count (a table's spare last block does not break the run)."""
+    q, k, v = qkv(1, end, seed=5)
+    cache = PagedKVCache(1, 10, 4, 2, 16)
+    cache.write(0, cache.slots(table, 0, end), k, v)
+    assert cache.run_start(table, end) == run
+    blocks = cache.blocks(table, end)
+    copied = cache.gather(0, blocks, end)
+    assert torch.equal(copied[0], k) and torch.equal(copied[1], v)
+    if run is not None:
+        viewed = cache.gather(0, blocks, end, run)
+        assert torch.equal(viewed[0], k) and torch.equal(viewed[1], v)
+        assert viewed[0].untyped_storage().data_ptr() == cache.kv.untyped_storage().data_ptr()

@@ -5,8 +5,9 @@ masked SDPA over the packed row would compute every query against every sequence
 away (a 512-token prefill chunk next to 7 decodes at 1.5K context would do 8x the attention it needs). So a step
 hands the model's attention (model/attention.py) ``kvflow_attend=packed_attention`` with its segments: it runs
 attention once per sequence on that sequence's slice of the queries and that sequence's keys, gathered from the
-paged cache just before (and freed just after): a step never holds more than one sequence's gathered K/V of one
-layer, however many sequences it batches — which is what bounds the activation reserve (reserve.py) by the
+paged cache just before (and freed just after; views of the cache, no copy, where the sequence's blocks are
+consecutive ids): a step never holds more than one sequence's gathered K/V of one layer, however many sequences it
+batches — which is what bounds the activation reserve (reserve.py) by the
 longest sequence, not by the batch. Without ``kvflow_segments`` it is transformers' own ``sdpa`` (same function,
 same arguments).
 
@@ -40,6 +41,7 @@ class Segment:
     q1: int
     start: int           # position of the sequence's first query (its rows are positions start .. start + n - 1)
     blocks: torch.Tensor  # block ids of the sequence's positions [0, start + n) (the step's own K/V written first)
+    first: int | None = None   # blocks[0] when they are consecutive ids: the gather is a view (PagedKVCache.run_start)
 
 
 def segment_mask(start: int, n: int, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor | None:
@@ -112,7 +114,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     outs = []
     for i, s in enumerate(kvflow_segments):
         n = s.q1 - s.q0
-        k, v = kvflow_cache.gather(layer, s.blocks, s.start + n)
+        k, v = kvflow_cache.gather(layer, s.blocks, s.start + n, s.first)
         if n == 1 and s.start + 1 >= ONE_QUERY_KEYS:
             seen = 0 if window is None else max(0, s.start + 1 - window)      # a window hides keys older than it
             outs.append(one_query(query[:, :, s.q0:s.q1], k[:, :, seen:], v[:, :, seen:], scaling))

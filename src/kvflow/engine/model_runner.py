@@ -67,7 +67,8 @@ class BatchRunner:
             ids.extend(it.token_ids)
             qpos.append(torch.arange(it.start, end, device=cache.device))
             write.append(cache.slots(it.block_table, it.start, end))
-            segments.append(Segment(q0, q0 + n, it.start, cache.blocks(it.block_table, end)))
+            segments.append(Segment(q0, q0 + n, it.start, cache.blocks(it.block_table, end),
+                                    cache.run_start(it.block_table, end)))
             q0 += n
             if it.sample:
                 last.append(q0 - 1)

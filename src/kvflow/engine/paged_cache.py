@@ -4,7 +4,8 @@
                          ^-- slot = block_id * block_size + position % block_size
 
 A sequence's position p lives in slot ``block_table[p // block_size] * block_size + p % block_size``. Gathering a
-sequence's K/V of one layer is one ``index_select`` over its blocks; writing a step's new K/V is one
+sequence's K/V of one layer is a view of the cache when its blocks are consecutive ids (the usual case: the free
+queue hands them out in order), else one ``index_select`` over its blocks; writing a step's new K/V is one
 ``index_copy_`` over slots.
 Out of this module K/V leave in the transformers layout [1, kv_heads, T, head_dim] (canonical, model/runner.py).
 """
@@ -49,8 +50,23 @@ class PagedKVCache:
         return torch.as_tensor(block_table[:(end + self.block_size - 1) // self.block_size], dtype=torch.long,
                                device=self.device)
 
-    def gather(self, layer: int, blocks: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of positions [0, end) held in ``blocks`` (in order) as [1, H, end, D].
+    def run_start(self, block_table: list[int], end: int) -> int | None:
+        """The first block id when the blocks holding positions [0, end) are consecutive ids (then ``gather`` returns
+        views of the cache, no copy), else None. Once per step per sequence: a list compare in C, ~20 us at 2K
+        blocks. The free queue hands out ids in order, so a sequence's blocks are one run unless the prefix cache or
+        a preemption interleaved them."""
+        n = (end + self.block_size - 1) // self.block_size
+        first = block_table[0] if n else 0
+        return first if n and block_table[:n] == list(range(first, first + n)) else None
+
+    def gather(self, layer: int, blocks: torch.Tensor, end: int,
+               first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions [0, end) held in ``blocks`` (in order) as [1, H, end, D]; with ``first`` (``run_start``:
+        the blocks are ids first, first + 1, ...) views of the cache itself — nothing copied, and read-only to the
+        caller like the copies (attention only reads them).
+
+        A decode over a 32K context of ``tiny`` spent ~3/4 of its step copying K/V out (16 MiB a layer) before one
+        pass over them; the views leave that one pass (measured: 12-40 ms against 48-175 ms a step, 4 layers).
 
         Whole blocks are copied, K's and V's in one ``index_select`` over rows of block_size x H x D elements: a
         decode step's 8 x 3K-token gathers of ``tiny`` take 2.5 ms this way against 6.7 ms slot by slot (rows of
@@ -58,6 +74,11 @@ class PagedKVCache:
         slower thread, so fewer calls is what keeps a gather cheap on a busy machine."""
         nb, h, d = self.num_blocks, self.kv_heads, self.head_dim
         rows = self.kv[layer].view(2 * nb, -1)                           # [K blocks; V blocks]
+        if first is not None:
+            n = len(blocks)
+            k = rows[first:first + n].view(-1, h, d)[:end]
+            v = rows[nb + first:nb + first + n].view(-1, h, d)[:end]
+            return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         both = rows.index_select(0, torch.cat([blocks, blocks + nb])).view(2, -1, h, d)[:, :end]
         return both[0].transpose(0, 1).unsqueeze(0), both[1].transpose(0, 1).unsqueeze(0)
 
