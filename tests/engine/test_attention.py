@@ -131,9 +131,12 @@ def test_a_continuing_chunk_as_prefix_plus_diagonal_equals_one_masked_call(hq, k
 
 @pytest.mark.parametrize("table,end,run", [([3, 4, 5], 11, 3), ([3, 4, 5, 9], 11, 3), ([5, 2, 0], 11, None),
                                            ([0, 1, 3], 11, None), ([7], 1, 7)])
-def test_a_gather_over_consecutive_blocks_is_a_view_equal_to_the_copy(table, end, run):
-    """Blocks with consecutive ids are read in place (views, nothing copied); any other table is copied; both give
-    the same K/V. Only the blocks that hold [0, end) count (a table's spare last block does not break the run)."""
+def test_a_gather_over_consecutive_blocks_is_a_view_equal_to_the_copy(table, end, run, monkeypatch):
+    """Blocks with consecutive ids are read in place (views, nothing copied; from VIEW_MIN_TOKENS positions, 1
+    here); any other table is copied; both give the same K/V. Only the blocks that hold [0, end) count (a table's
+    spare last block does not break the run)."""
+    from kvflow.engine import paged_cache
+    monkeypatch.setattr(paged_cache, "VIEW_MIN_TOKENS", 1)
     q, k, v = qkv(1, end, seed=5)
     cache = PagedKVCache(1, 10, 4, 2, 16)
     cache.write(0, cache.slots(table, 0, end), k, v)

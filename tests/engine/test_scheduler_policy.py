@@ -124,8 +124,8 @@ def test_a_pool_hit_is_ranked_by_its_predicted_restoration_not_its_length():
             return restore_s + (n - stored) * 1e-3 if stored else (n - resident) * 1e-3    # 1 ms a prefill token
         cfg = EngineConfig(block_size=16, max_num_batched_tokens=4096, scheduling_policy="remaining-work")
         sched = Scheduler(cfg, BlockManager(1024, 16, False), lookup, work=work)
-        seqs = [Sequence(i, [1] * a.prompt, a.prompt, SamplingParams()) for i, a in enumerate(arrivals)]
-        for s in seqs:
+        seqs = [Sequence(i, [i + 1] * a.prompt, a.prompt, SamplingParams()) for i, a in enumerate(arrivals)]
+        for s in seqs:             # distinct tokens: neither prompt is a prefix of the other (that one would wait)
             sched.add(s)
         assert [s.seq.seq_id for s in sched.schedule().scheduled] == order
 
@@ -141,3 +141,30 @@ def test_questions_about_32k_token_documents_do_not_wait_for_the_documents_prefi
     fcfs = waited(run_queue("fcfs", arrivals, budget=512, num_blocks=8192)[0], arrivals)
     assert steps[0] <= fcfs[0] + 2 and steps[1] <= 4 * fcfs[1] + 2
     assert not any(skipped)
+
+
+def test_a_request_on_a_document_being_prefilled_waits_for_that_prefill_instead_of_computing_it_again():
+    """Two questions on one 1,000-token document arrive together with a question on a 3,000-token one: the second
+    question on the first document is not admitted while the first question computes the document — it would
+    compute the same KV — and the other document's question is admitted past it. (Nothing is cached in this
+    synthetic queue, so the second question computes the document afterwards; what is pinned is the order.)"""
+    cfg = EngineConfig(block_size=16, max_num_batched_tokens=1024, scheduling_policy="remaining-work",
+                       enable_prefix_caching=False)
+    sched = Scheduler(cfg, BlockManager(4096, 16, False))
+    doc, other = list(range(1000)), [5] * 3000
+    seqs = [Sequence(i, ids, len(ids), SamplingParams(max_tokens=1, ignore_eos=True))
+            for i, ids in enumerate([doc + [1, 2], doc + [3, 4], other + [9]])]
+    for seq in seqs:
+        sched.add(seq)
+    steps = []
+    for _ in range(50):
+        out = sched.schedule()
+        steps.append({s.seq.seq_id for s in out.scheduled})
+        for s in out.scheduled:
+            s.seq.num_computed = s.start + s.num_tokens
+            if s.seq.num_computed == s.seq.num_tokens:
+                sched.finish(s.seq)
+        if not sched.has_unfinished():
+            break
+    assert steps[0] == {0, 2}                                 # 2 admitted past 1, which waits for 0's prefill
+    assert not any({0, 1} <= ids for ids in steps) and all(s.finished for s in seqs)

@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import torch
 
+# A gather reads in place from this many positions up. Below it the copy is cheap and SDPA runs faster on compact
+# K/V: views at 512-1,024-token contexts made a 32-sequence decode step of smollm2-135m slower (466 vs 399 ms,
+# docs/ENGINE.md); at 32K a copy was ~3/4 of a tiny decode step.
+VIEW_MIN_TOKENS = 2048
+
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
@@ -51,13 +56,15 @@ class PagedKVCache:
                                device=self.device)
 
     def run_start(self, block_table: list[int], end: int) -> int | None:
-        """The first block id when the blocks holding positions [0, end) are consecutive ids (then ``gather`` returns
-        views of the cache, no copy), else None. Once per step per sequence: a list compare in C, ~20 us at 2K
-        blocks. The free queue hands out ids in order, so a sequence's blocks are one run unless the prefix cache or
-        a preemption interleaved them."""
+        """The first block id when the blocks holding positions [0, end) are consecutive ids and ``end`` is at least
+        VIEW_MIN_TOKENS (then ``gather`` returns views of the cache, no copy), else None. Once per step per
+        sequence: a list compare in C, ~20 us at 2K blocks. The free queue hands out ids in order, so a sequence's
+        blocks are one run unless the prefix cache or a preemption interleaved them."""
         n = (end + self.block_size - 1) // self.block_size
-        first = block_table[0] if n else 0
-        return first if n and block_table[:n] == list(range(first, first + n)) else None
+        if end < VIEW_MIN_TOKENS:
+            return None
+        first = block_table[0]
+        return first if block_table[:n] == list(range(first, first + n)) else None
 
     def gather(self, layer: int, blocks: torch.Tensor, end: int,
                first: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,11 @@ and its blocks fit, and nobody is admitted past one that does not fit)::
                      otherwise: the cost model's prefill of [r, n)          (no pool, no cost model: n - r tokens)
            running:  prefill of what is left, [num_computed, n)
 
+A waiting request whose prompt continues past what a running prompt has computed, on that prompt's own tokens
+(a second question on a document still being prefilled, an agent's shared system prompt), is not admitted while
+that prefill runs: it would compute the same KV a second time, and once the prefill's blocks are committed it
+finds them resident (or in the pool). It is skipped, not a barrier: requests ranked after it are still admitted.
+
 Starvation is bounded by ``starvation_factor`` F: a request is *due* once the prefill tokens given to requests that
 arrived after it (while it had no token) reach (F - 1) x its uncached tokens; due requests go first, oldest first.
 So at most (F - 1) x its own work goes to later arrivals before it; the rest of what precedes it arrived earlier, and
@@ -203,6 +208,8 @@ class Scheduler:
                     n = min(seq.remaining, budget)
                     out.scheduled.append(Scheduled(seq, n, seq.num_computed))
                     budget -= n
+            elif self._waits_for_a_prefill(seq):
+                continue                          # its prefix is being computed by a running prompt
             elif admitting and len(self.running) < self.config.max_num_seqs and self._admit(seq, budget, out):
                 budget -= out.scheduled[-1].num_tokens
             else:
@@ -219,6 +226,7 @@ class Scheduler:
             stored = self._stored(seq)
             stored = stored if stored >= resident + self.config.pool_min_tokens else 0
             seq.work = self.work(seq.num_tokens, resident, stored)
+            seq.hit_tokens = max(resident, stored)
             if seq.work_tokens < 0:                # the aging threshold: its uncached tokens when first seen
                 seq.work_tokens = seq.num_tokens - max(resident, stored)
         if seq.passed_over >= (self.config.starvation_factor - 1) * seq.work_tokens:
@@ -226,6 +234,20 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             return (1, self.work(seq.num_tokens, seq.num_computed, 0), seq.seq_id)
         return (1, seq.work, seq.seq_id)
+
+    def _waits_for_a_prefill(self, seq: Sequence) -> bool:
+        """remaining-work: waiting ``seq`` shares a running prompt's tokens at least one block past what that prompt
+        has computed (and past ``seq``'s own cached prefix): that prefill is computing ``seq``'s KV now. Cost: a
+        first-block compare per running prefill, one slice compare where it matches."""
+        bs = self.blocks.block_size
+        for other in self.running:
+            k = other.num_computed + bs
+            if (other.first_token_s is not None or k > min(other.num_prompt_tokens, seq.num_tokens - 1)
+                    or k <= seq.hit_tokens or seq.token_ids[:bs] != other.token_ids[:bs]):
+                continue
+            if seq.token_ids[:k] == other.token_ids[:k]:
+                return True
+        return False
 
     def _next_waiting(self) -> Sequence:
         """The next sequence to admit: FCFS, or under the first-token policy the first one without a token yet."""
@@ -235,8 +257,9 @@ class Scheduler:
 
     def _first_without_token(self) -> Sequence | None:
         """The waiting request a swap makes room for: the first without a token (remaining-work: the best-ranked)."""
-        if self.config.scheduling_policy == "remaining-work":
-            return min((s for s in self.waiting if s.first_token_s is None), key=self._rank, default=None)
+        if self.config.scheduling_policy == "remaining-work":       # (not one that waits for a running prefill)
+            return min((s for s in self.waiting if s.first_token_s is None and not self._waits_for_a_prefill(s)),
+                       key=self._rank, default=None)
         return next((s for s in self.waiting if s.first_token_s is None), None)
 
     def _make_room(self, out: SchedulerOutput) -> None:

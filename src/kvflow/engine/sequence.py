@@ -40,6 +40,7 @@ class Sequence:
     num_swaps: int = 0                # ... swapped out for another request's first token (first-token policy)
     work: float | None = None         # remaining-work policy: predicted work to its first token (None: not ranked yet)
     work_tokens: int = -1             # ... its uncached tokens when first ranked (the aging threshold's unit)
+    hit_tokens: int = 0               # ... its cached prefix (resident or pool) when ranked
     passed_over: int = 0              # ... prefill tokens given to later arrivals while it had no token
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_text: str | None = None       # the stop string that ended it, if any
