@@ -130,6 +130,19 @@ def test_a_pool_hit_is_ranked_by_its_predicted_restoration_not_its_length():
         assert [s.seq.seq_id for s in sched.schedule().scheduled] == order
 
 
+def test_a_decoder_is_swapped_for_a_short_prompt_but_not_for_a_prefill_longer_than_its_answer():
+    """A decoder with ~7 tokens to go holds blocks a newcomer needs. A 200-token newcomer (1 step of prefill) swaps it
+    out; a 4,000-token one (16 steps at 256 a step) waits the decoder's few steps instead of stalling it 16."""
+    def lookup(token_ids):
+        return 0                                           # a pool, empty: swaps are possible
+    for prompt, blocks, swaps in ((200, 14, 1), (4000, 252, 0)):
+        arrivals = [Arrival(0, 64, max_tokens=8), Arrival(3, prompt)]
+        first, seqs, _ = run_queue("remaining-work", arrivals, budget=256, num_blocks=blocks, pool_lookup=lookup)
+        assert seqs[0].num_swaps == swaps and len(first) == 2
+        if swaps == 0:
+            assert first[1] >= 8                           # after the decoder's last token
+
+
 def test_questions_about_32k_token_documents_do_not_wait_for_the_documents_prefill():
     """Issue 33's long-document QA at the scheduler: two 32K-token documents arrive first, then a short question
     every 8 steps. Each question gets its first token in the step it arrives; each document is still spread over

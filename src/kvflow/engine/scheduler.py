@@ -37,6 +37,11 @@ and its blocks fit, and nobody is admitted past one that does not fit)::
                      otherwise: the cost model's prefill of [r, n)          (no pool, no cost model: n - r tokens)
            running:  prefill of what is left, [num_computed, n)
 
+A decoder is swapped for the head only when the head's prefill takes fewer steps than the decoder has tokens left
+to generate (at most ``max_tokens``): a follow-up on a cached history displaces a long answer, a cold 32K-token
+prompt (64 steps at 512 tokens) does not displace a 32-token answer — that answer finishes in 32 steps, and the
+prompt then gets the blocks; swapped for it, the decoder would stall for the whole prefill.
+
 A waiting request whose prompt continues past what a running prompt has computed, on that prompt's own tokens
 (a second question on a document still being prefilled, an agent's shared system prompt), is not admitted while
 that prefill runs: it would compute the same KV a second time, and once the prefill's blocks are committed it
@@ -276,7 +281,13 @@ class Scheduler:
         victims = sorted((s for s in self.running if s.first_token_s is not None and not s.restoring
                           and s.num_swaps < self.config.max_swaps),
                          key=lambda s: (s.params.max_tokens - s.num_output, len(s.block_table)), reverse=True)
-        if self.config.scheduling_policy == "remaining-work":     # then prompts still prefilling that rank below it
+        if self.config.scheduling_policy == "remaining-work":
+            # a decoder is swapped only when the head's prefill takes fewer steps than the decoder has tokens left:
+            # the swap costs the decoder that many steps and saves the head its remaining answer
+            uncached = head.num_tokens - max(len(hits) * bm.block_size, head.hit_tokens)
+            steps = -(-max(uncached, 1) // self.config.max_num_batched_tokens)
+            victims = [s for s in victims if s.params.max_tokens - s.num_output > steps]
+            # then prompts still prefilling that rank below it
             rank = self._rank(head)
             victims += sorted((s for s in self.running if s.first_token_s is None and not s.restoring
                                and s.num_swaps < self.config.max_swaps and self._rank(s) > rank),
