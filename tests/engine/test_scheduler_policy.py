@@ -19,17 +19,19 @@ class Arrival:
     step: int
     prompt: int            # prompt tokens
     max_tokens: int = 1
+    tokens: list[int] | None = None     # the prompt's ids (default: ``prompt`` copies of one id per request)
 
 
 def run_queue(policy: str, arrivals: list[Arrival], budget: int = 256, num_blocks: int = 4096, factor: float = 4.0,
-              pool_lookup=None, work=None, max_steps: int = 10_000):
+              pool_lookup=None, work=None, max_steps: int = 10_000, trace: list | None = None):
     """Drive a Scheduler as the engine does, without a model: a sequence whose KV is complete gets a token at that
-    step. Returns (first-token step per request, the sequences, per step the decoders that went without a token)."""
+    step. Returns (first-token step per request, the sequences, per step the decoders that went without a token);
+    ``trace`` gets the ids of the requests scheduled in each step."""
     cfg = EngineConfig(block_size=16, max_num_batched_tokens=budget, scheduling_policy=policy,
                        starvation_factor=factor, enable_prefix_caching=False)
     sched = Scheduler(cfg, BlockManager(num_blocks, 16, False), pool_lookup, work=work)
-    seqs = [Sequence(i, [i % 1000] * a.prompt, a.prompt, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True))
-            for i, a in enumerate(arrivals)]
+    seqs = [Sequence(i, list(a.tokens or [i % 1000] * a.prompt), a.prompt,
+                     SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)) for i, a in enumerate(arrivals)]
     first, skipped = {}, []
     for step in range(max_steps):
         for seq, a in zip(seqs, arrivals):
@@ -40,6 +42,8 @@ def run_queue(policy: str, arrivals: list[Arrival], budget: int = 256, num_block
         decoding = [s for s in sched.running if s.first_token_s is not None and s.remaining == 1]
         out = sched.schedule()
         served = {id(s.seq) for s in out.scheduled}
+        if trace is not None:
+            trace.append({s.seq.seq_id for s in out.scheduled})
         skipped.append([s for s in decoding if id(s) not in served and s.status is Status.RUNNING])
         for s in out.scheduled:
             seq = s.seq
@@ -161,23 +165,9 @@ def test_a_request_on_a_document_being_prefilled_waits_for_that_prefill_instead_
     question on the first document is not admitted while the first question computes the document — it would
     compute the same KV — and the other document's question is admitted past it. (Nothing is cached in this
     synthetic queue, so the second question computes the document afterwards; what is pinned is the order.)"""
-    cfg = EngineConfig(block_size=16, max_num_batched_tokens=1024, scheduling_policy="remaining-work",
-                       enable_prefix_caching=False)
-    sched = Scheduler(cfg, BlockManager(4096, 16, False))
     doc, other = list(range(1000)), [5] * 3000
-    seqs = [Sequence(i, ids, len(ids), SamplingParams(max_tokens=1, ignore_eos=True))
-            for i, ids in enumerate([doc + [1, 2], doc + [3, 4], other + [9]])]
-    for seq in seqs:
-        sched.add(seq)
+    arrivals = [Arrival(0, len(ids), tokens=ids) for ids in (doc + [1, 2], doc + [3, 4], other + [9])]
     steps = []
-    for _ in range(50):
-        out = sched.schedule()
-        steps.append({s.seq.seq_id for s in out.scheduled})
-        for s in out.scheduled:
-            s.seq.num_computed = s.start + s.num_tokens
-            if s.seq.num_computed == s.seq.num_tokens:
-                sched.finish(s.seq)
-        if not sched.has_unfinished():
-            break
+    _, seqs, _ = run_queue("remaining-work", arrivals, budget=1024, trace=steps)
     assert steps[0] == {0, 2}                                 # 2 admitted past 1, which waits for 0's prefill
     assert not any({0, 1} <= ids for ids in steps) and all(s.finished for s in seqs)
