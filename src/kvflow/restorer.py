@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvflow.chunks.keys import ChunkKey, chunk_keys, layer_groups
-from kvflow.chunks.record import HEADER_SIZE
+from kvflow.chunks.record import HEADER_SIZE, kv_record_dtype
 from kvflow.cost.calibration import Calibration
 from kvflow.cost.model import CostModel
 from kvflow.cost.saved import cost_profile
@@ -141,8 +141,8 @@ class Restorer:
                 part = missing[a:a + STORE_SLICE]
                 items = dict(zip(part, self.executor.transfer.to_host([cache.read_block(k.tokens, k.layers)
                                                                         for k in part])))
-                stored += self.pool.put_many(items, dtype=self._dtype())  # strict pools raise StoreError instead
-                written += sum(HEADER_SIZE + t.numel() * self._dtype().itemsize for t in items.values())
+                stored += self.pool.put_many(items, dtype=self.record_dtype())  # strict pools raise StoreError instead
+                written += sum(HEADER_SIZE + t.numel() * self.record_dtype().itemsize for t in items.values())
                 del items
             act_items = {k: hidden[k.layers[0]][:, k.tokens[0]:k.tokens[1]] for k in missing_acts}
             stored += self.pool.put_many(act_items, dtype=ACT_DTYPE)
@@ -166,15 +166,17 @@ class Restorer:
                 h = runner.run_layers(cache, h, a, (l0, l1))
         return cache, hidden
 
-    def _dtype(self) -> torch.dtype:
-        """The dtype records are stored in: the one asked for, else the pool's own (what put_many uses)."""
-        return parse_dtype(self.storage_dtype) if self.storage_dtype else self.pool.dtype
+    def record_dtype(self) -> torch.dtype:
+        """The dtype KV records are stored in: the one asked for, else the pool's own, never wider than the model
+        computes in (chunks/record.py ``kv_record_dtype``)."""
+        asked = parse_dtype(self.storage_dtype) if self.storage_dtype else self.pool.dtype
+        return kv_record_dtype(asked, self.runner.dtype)
 
     # ------------------------------------------------------------------------------------ planning
     def io_model(self, calibrated: bool = True) -> IOModel:
         """The pool's read bandwidth and per-read latency; the executor keeps ``depth`` reads in flight, so each
         read waits latency / depth beyond its bytes."""
-        cell = self.chunk_tokens * self.runner.shape.kv_bytes_per_token_layer(self._dtype()) + HEADER_SIZE
+        cell = self.chunk_tokens * self.runner.shape.kv_bytes_per_token_layer(self.record_dtype()) + HEADER_SIZE
         # no device in service (0 B/s, e.g. the shared store down): reads predicted at 1 B/s, so every plan recomputes
         bandwidth = self.cost.loaded_rate(max(1.0, float(self.pool.read_bandwidth)))   # + host-to-device on a GPU
         if calibrated and self.calibration is not None:

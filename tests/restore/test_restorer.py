@@ -19,6 +19,24 @@ def test_a_restorer_without_its_own_dtype_plans_and_counts_bytes_in_the_pools_dt
     assert out.logits.shape[-1] == tiny.config.vocab_size             # bf16 records restore (not exactly: lossy)
 
 
+def test_a_bf16_models_kv_is_stored_in_bf16_even_in_an_fp32_pool():
+    """Widening a bf16 model's K/V to fp32 records doubles the bytes every load moves and adds no information; the
+    records keep the model's width, and a load restores the bf16 cache bit for bit."""
+    from kvflow.model import load_model
+    bf16 = load_model("tiny@layers=2", dtype="bfloat16")
+    pool = KVPool.memory("64M", chunk_tokens=32)                          # storage_dtype float32 (the default)
+    restorer = Restorer(bf16, pool, cost=synthetic_cost(bf16))
+    assert restorer.record_dtype() == torch.bfloat16
+    stored = restorer.store(ids(64, 1))
+    per_layer = 32 * bf16.shape.kv_bytes_per_token_layer(torch.bfloat16) + HEADER_SIZE
+    assert stored.bytes_written == stored.chunks_written * bf16.num_layers * per_layer
+    out = restorer.restore(ids(64, 1), ids(4, 2), "load")
+    ref_kv, ref_logits = bf16.reference_prefill(torch.cat([ids(64, 1), ids(4, 2)]))
+    assert all(torch.equal(k[..., :64, :], r[..., :64, :]) for (k, _), (r, _) in zip(out.kv, ref_kv))
+    fp32 = Restorer(load_model("tiny@layers=2"), pool, cost=synthetic_cost(bf16))
+    assert fp32.record_dtype() == torch.float32                           # an fp32 model keeps the pool's fp32
+
+
 def test_the_io_model_prices_the_pools_per_read_latency(tiny):
     pool = KVPool.memory("64M", chunk_tokens=32, devices=2)
     restorer = Restorer(tiny, pool, cost=synthetic_cost(tiny))

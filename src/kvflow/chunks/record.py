@@ -64,6 +64,12 @@ class RecordHeader:
         return HEADER_SIZE + self.length
 
 
+def kv_record_dtype(asked: torch.dtype, model: torch.dtype) -> torch.dtype:
+    """The dtype a model's KV records are stored in: the one asked for (a pool's ``storage_dtype``), never wider
+    than the model computes in — a bf16 model's K/V widened to fp32 doubles every record and adds no information."""
+    return model if model.itemsize < asked.itemsize else asked
+
+
 def record_size(shape, dtype: torch.dtype) -> int:
     n = 1
     for s in shape:

@@ -19,7 +19,6 @@ from collections import Counter
 import torch
 
 from kvflow.engine.paged_cache import PagedKVCache
-from kvflow.model.runner import parse_dtype
 from kvflow.planner import Request
 from kvflow.pool.write_queue import WriteQueue
 
@@ -29,9 +28,9 @@ class PoolTier:
         self.restorer, self.pool, self.strategy = restorer, restorer.pool, strategy
         self.chunk_tokens = restorer.chunk_tokens
         self.num_layers = restorer.runner.num_layers
-        self._dtype = {"dtype": parse_dtype(restorer.storage_dtype)} if restorer.storage_dtype else {}
         self.counters = Counter(lookups=0, restores=0, restore_errors=0, restored_tokens=0)
-        self.writes = WriteQueue(lambda items: self.pool.put_many(items, **self._dtype), queue_size, self.counters)
+        self.writes = WriteQueue(lambda items: self.pool.put_many(items, dtype=restorer.record_dtype()), queue_size,
+                                 self.counters)
         self.loaded_tokens: Counter = Counter()       # per strategy: context tokens loaded (token x layer / L)
         self.recomputed_tokens: Counter = Counter()   # ... and recomputed
         self.restore_s = 0.0

@@ -149,8 +149,10 @@ class ModelRunner:
         return window
 
     # ----------------------------------------------------------------------------------------- facts
-    def kv_bytes_per_token(self, dtype: str | torch.dtype = "float32") -> int:
-        return self.shape.kv_bytes_per_token(dtype)
+    def kv_bytes_per_token(self, dtype: str | torch.dtype | None = None) -> int:
+        """Bytes of K and V per token over all layers, in ``dtype`` (default: the dtype this model computes and
+        caches in — fp32 on the CPU, bf16 on a GPU)."""
+        return self.shape.kv_bytes_per_token(dtype or self.dtype)
 
     def block_shape(self, n_tokens: int, n_layers: int) -> tuple[int, ...]:
         return (n_layers, 2, self.kv_heads, n_tokens, self.head_dim)

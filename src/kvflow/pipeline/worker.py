@@ -103,7 +103,7 @@ class Stage:
         import torch.distributed as dist
 
         from kvflow.chunks.keys import chunk_keys, layer_groups
-        from kvflow.chunks.record import HEADER_SIZE
+        from kvflow.chunks.record import HEADER_SIZE, kv_record_dtype
         from kvflow.executor import Executor
         from kvflow.pipeline.channel import CONTROL, DATA, DONE, END, REPAIR, Channel
         from kvflow.pipeline.links import ActivationInputs, EmbedInputs, Handoff, HandoffInputs
@@ -136,7 +136,7 @@ class Stage:
         act_keys = {b: [row[0] for row in chunk_keys(ctx, fp, C, [(b, b)], kind="act")[:n]] for b, _ in stages[1:]}
         act_chunks = [n] + [_prefix(pool.contains(act_keys[b])) for b, _ in stages[1:]]
         links = bandwidths or [pool.read_bandwidth] * S
-        cell = C * runner.shape.kv_bytes_per_token_layer(pool.dtype) + HEADER_SIZE
+        cell = C * runner.shape.kv_bytes_per_token_layer(kv_record_dtype(pool.dtype, runner.dtype)) + HEADER_SIZE
         act = C * runner.hidden_size * 4 + HEADER_SIZE
         planner = PipelinePlanner(self.cost, C, cell, act, PlannerConfig(**self.spec["planner"]))
         req = Request(ctx.numel(), query.numel(), n)
