@@ -79,16 +79,12 @@ bench-quick: $(STAMP)
 	$(BIN)/kvflow bench pool --quick
 
 # On a machine with a CUDA GPU, after `make setup TORCH="torch --index-url https://download.pytorch.org/whl/cu124"`:
-# the GPU tests, then issue 15's shape (llama-3.1-8b random weights, bf16, 16K and 32K, 10/40/80 Gbps links).
-# Outputs under runs/gpu-check/ (docs/GPU.md).
+# the GPU tests, then issue 15's shape (llama-3.1-8b random weights, bf16, 16K and 32K, 10/40/80 Gbps links); the
+# bench profiles the model on the device first. Outputs under runs/gpu-check/ (docs/GPU.md). A GPU image with its own
+# torch runs the same script without the venv: `GPU_PY=python3 .ci/gpu-check`.
 GPU_MODEL ?= llama-3.1-8b
 gpu-check: $(STAMP)
-	mkdir -p runs/gpu-check
-	nvidia-smi -L | tee runs/gpu-check/device.txt
-	$(BIN)/python -m pytest -m cuda -q -p no:cacheprovider 2>&1 | tee runs/gpu-check/pytest-cuda.txt
-	$(BIN)/kvflow --device cuda profile $(GPU_MODEL) --max-position 32768 --force 2>&1 | tee runs/gpu-check/profile.txt
-	$(BIN)/kvflow --device cuda bench restore --model $(GPU_MODEL) --context 16384 --lengths 16384,32768 \
-		--gbps 10,40,80 --repeats 3 --latency '' --out runs/gpu-check/restore 2>&1 | tee runs/gpu-check/restore.txt
+	GPU_PY=$(BIN)/python GPU_MODEL=$(GPU_MODEL) .ci/gpu-check
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
