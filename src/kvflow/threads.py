@@ -26,19 +26,22 @@ import threading
 from typing import Callable, TypeVar
 
 # libgomp's idle workers sleep at once instead of spinning ~300,000 times at every barrier (``OMP_WAIT_POLICY``,
-# read when torch loads libgomp: kvflow/__init__.py sets it before that, unless the caller chose). A served step
-# shares the cores with the HTTP loop, the client and whatever else runs; a spinning worker then holds a core its
-# partner needs, and a region waits for a partner that is descheduled. Measured on the 2-vCPU box under load
-# (load average 5-13, smollm2-135m, engine.generate, 16 steps): batch 1 16.3 s -> 1.2 s, batch 4 128.8 s ->
-# 2.8 s, batch 8 29.2 s -> 5.9 s; one thread alone 4.8 s at batch 4. Idle, a step is as fast as before
-# (batch 1 ~75 ms a step both ways).
+# read when torch loads libgomp: kvflow/__init__.py sets it before that, unless the caller chose a policy or a
+# ``GOMP_SPINCOUNT``). A served step shares the cores with the HTTP loop, the client and whatever else runs; a
+# spinning worker then holds a core its partner needs, and a region waits for a partner that is descheduled.
+# Measured on the 2-vCPU box under load (load average 5-13, smollm2-135m, engine.generate, 16 steps): batch 1
+# 16.3 s -> 1.2 s, batch 4 128.8 s -> 2.8 s, batch 8 29.2 s -> 5.9 s; one thread alone 4.8 s at batch 4. On the
+# idle box an in-process decode step of 8 sequences is faster spinning (10,000 spins: ~105-135 ms against ~200 ms),
+# but served it is not (kvflow bench decode --peer vllm, one round: 202 vs 209 ms at batch 8, 84 vs 72 at batch 1):
+# the HTTP loop needs the core a spinning worker holds. docs/ENGINE.md, "Threads".
 WAIT_POLICY = "PASSIVE"
-WAIT_POLICY_OURS = "OMP_WAIT_POLICY" not in os.environ    # the peer (integrations/vllm_server.py) keeps its own
+WAIT_POLICY_OURS = not ({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ))   # the peer keeps its own
 
 
 def passive_omp_wait() -> None:
-    """OMP_WAIT_POLICY=PASSIVE for this process and its children, unless set already (see WAIT_POLICY)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+    """OMP_WAIT_POLICY=PASSIVE for this process and its children, unless the caller chose (see WAIT_POLICY)."""
+    if WAIT_POLICY_OURS:
+        os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
 
 T = TypeVar("T")
 

@@ -28,3 +28,7 @@ def test_the_vllm_peer_does_not_inherit_kvflows_wait_policy(monkeypatch):
     assert "OMP_WAIT_POLICY" not in _own_env(Path("/venv"), {"OMP_WAIT_POLICY": "PASSIVE"}, "0-1", 1)
     monkeypatch.setattr(threads, "WAIT_POLICY_OURS", False)          # the caller's own choice goes through
     assert _own_env(Path("/venv"), {"OMP_WAIT_POLICY": "ACTIVE"}, "0-1", 1)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_a_caller_s_own_spin_count_is_its_choice_too():
+    assert _policy({"GOMP_SPINCOUNT": "10000"}) == "None"            # libgomp's default policy with that spin

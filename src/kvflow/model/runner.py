@@ -33,6 +33,7 @@ from kvflow.model.attention import splits_at_the_chunk
 from kvflow.model.device import default_dtype
 from kvflow.model.device import resolve as resolve_device
 from kvflow.model.dtypes import parse_dtype
+from kvflow.model.linear import pack_linears
 from kvflow.model.host_memory import keep_freed_memory
 from kvflow.model.presets import PRESETS, build_config, parse_name
 from kvflow.model.shape import ModelShape
@@ -136,6 +137,9 @@ class ModelRunner:
         self.hidden_size = self.config.hidden_size
         self.dtype = next(hf_model.parameters()).dtype
         self._windows = [self._sliding_window(i) for i in range(self.num_layers)]
+        # large fp32 linear layers on the host through oneDNN with packed weights (model/linear.py)
+        self.packed_linear_bytes = pack_linears(hf_model, free_memory(self.device)) if self.device.type == "cpu" \
+            else 0
 
     def _sliding_window(self, layer: int) -> int | None:
         window = getattr(self.config, "sliding_window", None)

@@ -1,0 +1,59 @@
+"""Large host linear layers run through oneDNN with weights packed once (model/linear.py): the same numbers as
+F.linear up to summation order, a row's result independent of its batch, the weights and fingerprint untouched,
+and a switch back to F.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow.errors import ConfigError
+from kvflow.model import linear
+from kvflow.model.linear import PACK_MIN_ELEMENTS, pack_linears
+
+pytestmark = pytest.mark.skipif(not linear.available(), reason="this torch build has no oneDNN linear")
+
+
+def layers():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.Linear(576, 192, bias=False))
+
+
+def test_large_layers_are_packed_and_agree_with_f_linear_while_small_ones_stay():
+    model = layers()
+    big, small = model[0], model[1]
+    reference = big.weight.detach().clone()
+    assert pack_linears(model, free_bytes=None) == big.weight.numel() * 4
+    assert "forward" in vars(big) and "forward" not in vars(small)       # 192 x 576 < PACK_MIN_ELEMENTS
+    assert small.weight.numel() < PACK_MIN_ELEMENTS <= big.weight.numel()
+    x = torch.randn(3, 5, 576)
+    with torch.inference_mode():
+        out = big(x)
+        want = F.linear(x, big.weight, big.bias)
+        assert (out - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        rows = torch.randn(512, 576)
+        batch = big(rows)
+        assert all(torch.equal(big(rows[i:i + 1]), batch[i:i + 1]) for i in (0, 7, 511))   # batch-independent
+    assert torch.equal(big.weight, reference) and set(model.state_dict()) == {"0.weight", "0.bias", "1.weight"}
+
+
+def test_the_switch_the_memory_guard_and_a_bad_value(monkeypatch):
+    monkeypatch.setenv("KVFLOW_LINEAR", "torch")
+    assert pack_linears(layers(), free_bytes=None) == 0
+    monkeypatch.setenv("KVFLOW_LINEAR", "onednn")
+    assert pack_linears(layers(), free_bytes=4 * 576 * 1536 * 3) == 0   # a copy over a quarter of the free memory
+    monkeypatch.setenv("KVFLOW_LINEAR", "mkl")
+    with pytest.raises(ConfigError, match="KVFLOW_LINEAR"):
+        pack_linears(layers(), free_bytes=None)
+
+
+def test_a_loaded_model_packs_and_keeps_its_fingerprint(monkeypatch):
+    from kvflow.model import load_model
+    packed = load_model("qwen2.5-0.5b@layers=1")
+    monkeypatch.setenv("KVFLOW_LINEAR", "torch")
+    plain = load_model("qwen2.5-0.5b@layers=1")
+    assert packed.packed_linear_bytes > 0 and plain.packed_linear_bytes == 0
+    assert packed.fingerprint == plain.fingerprint
+    ids = torch.arange(40).view(1, -1)
+    with torch.inference_mode():
+        a, b = packed.hf_model(ids).logits, plain.hf_model(ids).logits
+    assert (a - b).abs().max().item() <= 1e-4 and torch.equal(a.argmax(-1), b.argmax(-1))
