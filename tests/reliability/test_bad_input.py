@@ -72,12 +72,14 @@ def test_generated_input_is_accepted_or_refused_with_one_line(case, checkpoint, 
     Case(["profile", "tiny"], env={"KVFLOW_TORCH_THREADS": "99999"}),
     Case(["profile", "tiny"], env={"KVFLOW_HOME": "afile/home"}),
     Case(["profile", "tiny"], env={"KVFLOW_MALLOC": "tcmalloc"}),
+    Case(["profile", "tiny"], env={"KVFLOW_LINEAR": "mkl"}),
     Case(["profile", "ck-truncated"]),
     Case(["profile", "tiny", "--show"], profile={"model": "tiny", "a": "fast"}),
     Case(["demo", "restore", "--model", "tiny", "--context", "300000000"]),
 ], ids=["capacity-infG", "size-abc", "interval-inf", "index-under-a-file", "remote-unreachable", "index-dir-empty",
         "capacity-1000", "wal-compact-negative", "probe-size-negative", "threads-abc", "threads-99999",
-        "home-under-a-file", "malloc-tcmalloc", "truncated-safetensors", "profile-wrong-type", "context-300M"])
+        "home-under-a-file", "malloc-tcmalloc", "linear-mkl", "truncated-safetensors", "profile-wrong-type",
+        "context-300M"])
 def test_the_reported_cases_are_one_line_errors(case, checkpoint, profile_name):
     with tempfile.TemporaryDirectory(prefix="kvflow-bad-input-") as root:
         (out,) = run_case(case, Path(root), checkpoint, profile_name)

@@ -65,7 +65,7 @@ class Bench:
     contexts: dict = field(default_factory=dict)
     refs: dict = field(default_factory=dict)
     tmp: tempfile.TemporaryDirectory | None = None
-    storage_dtype: str = "float32"   # KV records (never wider than the model: kv_record_dtype); fp32 is exact on the CPU
+    storage_dtype: str = "float32"   # KV records, never wider than the model (kv_record_dtype); exact on the CPU
     restorers: dict = field(default_factory=dict)
     recompute_rate: float = 0.0      # KV bytes/s of recompute at short context, measured warm at the start
     rho_basis: str = "context"       # "context": rho x the context's own recompute rate; "short": x recompute_rate

@@ -172,8 +172,8 @@ def _own_env(venv: Path, base: dict, threads_bind: str, kv_space_gib: int) -> di
 
     from kvflow.threads import WAIT_POLICY_OURS
 
-    env = {k: v for k, v in base.items() if not (k.startswith("VIRTUAL_ENV") or k == "PYTHONPATH"
-                                                 or (k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") and WAIT_POLICY_OURS))}
+    ours = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if WAIT_POLICY_OURS else ()
+    env = {k: v for k, v in base.items() if not (k.startswith("VIRTUAL_ENV") or k == "PYTHONPATH" or k in ours)}
     env.update(VLLM_CPU_OMP_THREADS_BIND=threads_bind, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",

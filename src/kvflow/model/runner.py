@@ -33,8 +33,8 @@ from kvflow.model.attention import splits_at_the_chunk
 from kvflow.model.device import default_dtype
 from kvflow.model.device import resolve as resolve_device
 from kvflow.model.dtypes import parse_dtype
-from kvflow.model.linear import pack_linears
 from kvflow.model.host_memory import keep_freed_memory
+from kvflow.model.linear import pack_linears
 from kvflow.model.presets import PRESETS, build_config, parse_name
 from kvflow.model.shape import ModelShape
 from kvflow.threads import compute_threads, set_compute_threads
