@@ -78,13 +78,16 @@ vllm-kvflow: $(VLLM_STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/kvflow bench pool --quick
 
-# On a machine with a CUDA GPU, after `make setup TORCH="torch --index-url https://download.pytorch.org/whl/cu124"`:
-# the GPU tests, then issue 15's shape (llama-3.1-8b random weights, bf16, 16K and 32K, 10/40/80 Gbps links); the
-# bench profiles the model on the device first. Outputs under runs/gpu-check/ (docs/GPU.md). A GPU image with its own
-# torch runs the same script without the venv: `GPU_PY=python3 .ci/gpu-check`.
-GPU_MODEL ?= llama-3.1-8b
-gpu-check: $(STAMP)
-	GPU_PY=$(BIN)/python GPU_MODEL=$(GPU_MODEL) .ci/gpu-check
+# On a machine with a CUDA GPU: the GPU tests, then restoration at 16K tokens on the device (llama-3.2-1b random
+# weights, bf16, 10/40/80 Gbps links, ~4 min: it fits a short lease of a GPU); outputs under runs/gpu-check/
+# (docs/GPU.md). With a venv: `make setup TORCH="torch --index-url https://download.pytorch.org/whl/cu124"` first.
+# On a GPU image with its own torch and no package registry: `make gpu-check GPU_PY=python3` (no venv is built).
+# Issue 15's full shape: GPU_MODEL=llama-3.1-8b GPU_LENGTHS=16384,32768 GPU_REPEATS=3 (longer than 15 minutes).
+GPU_MODEL ?= llama-3.2-1b
+GPU_PY ?=
+gpu-check:
+	@if [ -z "$(GPU_PY)" ]; then $(MAKE) --no-print-directory setup; fi
+	GPU_PY=$(or $(GPU_PY),$(BIN)/python) GPU_MODEL=$(GPU_MODEL) .ci/gpu-check
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
