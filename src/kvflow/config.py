@@ -217,6 +217,16 @@ def env_int(name: str, lo: int, hi: int, env: Mapping[str, str] | None = None) -
     return value
 
 
+def env_choice(name: str, choices: tuple[str, ...], env: Mapping[str, str] | None = None) -> str:
+    """One of ``choices`` from an environment variable (the first when unset or empty); ConfigError naming it
+    otherwise."""
+    env = os.environ if env is None else env
+    text = env.get(name, "").strip() or choices[0]
+    if text not in choices:
+        raise ConfigError(f"{name}: expected one of {', '.join(choices)}, got {text!r}")
+    return text
+
+
 def _known_env() -> set[str]:
     known = set(ENV_VARS)
     for section, where in SECTIONS.items():

@@ -136,13 +136,13 @@ class Restorer:
             else:
                 cache, hidden = self._prefill_capturing(ids[:n], boundaries)
             prefill_s = time.perf_counter() - t1
-            stored = 0
+            stored, dtype = 0, self.record_dtype()
             for a in range(0, len(missing), STORE_SLICE):
                 part = missing[a:a + STORE_SLICE]
                 items = dict(zip(part, self.executor.transfer.to_host([cache.read_block(k.tokens, k.layers)
                                                                         for k in part])))
-                stored += self.pool.put_many(items, dtype=self.record_dtype())  # strict pools raise StoreError instead
-                written += sum(HEADER_SIZE + t.numel() * self.record_dtype().itemsize for t in items.values())
+                stored += self.pool.put_many(items, dtype=dtype)  # strict pools raise StoreError instead
+                written += sum(HEADER_SIZE + t.numel() * dtype.itemsize for t in items.values())
                 del items
             act_items = {k: hidden[k.layers[0]][:, k.tokens[0]:k.tokens[1]] for k in missing_acts}
             stored += self.pool.put_many(act_items, dtype=ACT_DTYPE)

