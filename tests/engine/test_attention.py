@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
-from kvflow.engine.attention import Segment, packed_attention, segment_mask
+from kvflow.engine.attention import Segment, groups_of_decodes, packed_attention, segment_mask
 from kvflow.engine.paged_cache import PagedKVCache
 from tests.engine.helpers import ids
 
@@ -61,6 +61,42 @@ def test_a_decode_over_scattered_blocks_equals_sdpa_over_its_keys(window, monkey
     assert (out - ref.transpose(1, 2)).abs().max() <= 1e-6
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_decodes_attended_as_one_group_equal_each_ones_own_attention(window):
+    """Three decodes over 11, 6 and 1 keys in scattered blocks, padded to the longest and masked, in one SDPA call:
+    each row is the decode's own attention over its keys (its window applied)."""
+    cache = PagedKVCache(1, 12, 4, 2, 16)
+    tables, ends = [[5, 2, 0], [7, 11], [3]], [11, 6, 1]
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 8, 3, 16, generator=g)
+    own = []
+    for i, (table, end) in enumerate(zip(tables, ends)):
+        k, v = torch.randn(1, 2, end, 16, generator=g), torch.randn(1, 2, end, 16, generator=g)
+        cache.write(0, cache.slots(table, 0, end), k, v)
+        seen = 0 if window is None else max(0, end - window)
+        own.append(F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, seen:], v[:, :, seen:], scale=0.25,
+                                                  enable_gqa=True))
+    groups = groups_of_decodes(ends, tables, 4, 12, max_keys=1 << 20, bytes_per_key=2 * 2 * 16 * 4, device="cpu")
+    assert len(groups) == 1 and groups[0].keys == 12
+    out, _ = packed_attention(MODULE, q, None, None, None, scaling=0.25, kvflow_segments=[], kvflow_windows=[window],
+                              kvflow_cache=cache, kvflow_decodes=groups)
+    assert (out - torch.cat(own, 2).transpose(1, 2)).abs().max() <= 1e-6
+
+
+def test_a_group_of_decodes_gathers_within_its_byte_and_key_limits(monkeypatch):
+    """Groups are consecutive decodes (longest first) whose padded keys stay within DECODE_GROUP_BYTES of gathered
+    K/V and the engine's longest sequence; a decode longer than the limit alone is a group of one."""
+    from kvflow.engine import attention
+    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 100 * 10)          # 100 keys of 10 bytes
+    ends = [120, 40, 33, 30, 20, 17, 3]
+    tables = [list(range(0, 8)), [8, 9, 10], [11, 12, 13], [14, 15], [16, 17], [18, 19], [20]]
+    groups = groups_of_decodes(ends, tables, 16, 64, max_keys=1 << 20, bytes_per_key=10, device="cpu")
+    assert [(g.q0, g.count, g.keys) for g in groups] == [(0, 1, 128), (1, 2, 48), (3, 3, 32), (6, 1, 16)]
+    assert all(g.count == 1 or g.count * g.keys <= 100 for g in groups)
+    assert [g.count for g in groups_of_decodes(ends, tables, 16, 64, max_keys=64, bytes_per_key=1,
+                                               device="cpu")] == [1, 1, 1, 2, 2]
+
+
 def test_a_window_hides_keys_older_than_the_window():
     m = segment_mask(4, 2, window=3)
     assert m.tolist() == [[False, False, True, True, True, False], [False, False, False, True, True, True]]
@@ -73,28 +109,37 @@ def test_the_model_keeps_its_attention_implementation_after_a_step(tiny):
     assert tiny.hf_model.config._attn_implementation == before
 
 
-def test_a_step_holds_one_sequences_gathered_kv_at_a_time(tiny, monkeypatch):
-    """Packed attention gathers each sequence's keys just before its SDPA and frees them after: a step batching
-    many long decodes never holds more than the longest one's K/V of one layer (what bounds the reserve)."""
+def test_a_step_holds_one_sequences_or_one_groups_gathered_kv_at_a_time(tiny, monkeypatch):
+    """Packed attention gathers each sequence's keys (or one group of short decodes') just before its SDPA and frees
+    them after: a step batching many decodes never holds more than the longest sequence's K/V of one layer or one
+    group's DECODE_GROUP_BYTES (what bounds the reserve)."""
     import weakref
 
-    live, peak, sizes = [0], [0], []
-    original = PagedKVCache.gather
+    from kvflow.engine import attention
 
-    def gather(self, layer, blocks, end, first=None):
-        k, v = original(self, layer, blocks, end)         # always the copy: this test counts copies
+    live, peak, sizes, groups = [0], [0], [], []
+    gather, gather_padded = PagedKVCache.gather, PagedKVCache.gather_padded
+
+    def counted(k, v, into):
         n = k.numel() + v.numel()
-        sizes.append(n)
+        into.append(n)
         live[0] += n
         peak[0] = max(peak[0], live[0])
         for t in (k, v):                # the callback must not hold the tensor
             weakref.finalize(t, lambda half=n // 2: live.__setitem__(0, live[0] - half))
         return k, v
 
-    monkeypatch.setattr(PagedKVCache, "gather", gather)
+    monkeypatch.setattr(PagedKVCache, "gather", lambda self, layer, blocks, end, first=None:
+                        counted(*gather(self, layer, blocks, end), sizes))          # always the copy: counted
+    monkeypatch.setattr(PagedKVCache, "gather_padded", lambda self, *a: counted(*gather_padded(self, *a), groups))
+    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 400 * 2 * tiny.kv_heads * tiny.head_dim * 4)   # 400 keys
     engine = LLMEngine(tiny, EngineConfig(kv_budget=8 << 20, max_num_batched_tokens=2048))
-    engine.generate([ids(300 + 40 * i, i) for i in range(6)], SamplingParams(max_tokens=3))
-    assert len(sizes) > 6 * tiny.num_layers and peak[0] <= max(sizes)
+    engine.generate([ids(300 + 40 * i, i) for i in range(6)] + [ids(40, 9), ids(50, 10)], SamplingParams(max_tokens=3))
+    per_key = 2 * tiny.kv_heads * tiny.head_dim
+    longest_decode = (300 + 40 * 5 + 3 + 15) // 16 * 16                  # a group of one: its padded blocks
+    assert len(sizes) > 6 * tiny.num_layers and len(groups) > 3 * tiny.num_layers
+    assert max(groups) <= per_key * max(400, longest_decode)
+    assert peak[0] <= max(sizes + groups)
 
 
 def test_a_long_chunk_runs_in_row_blocks_with_the_same_result(monkeypatch):

@@ -31,6 +31,26 @@ def test_one_step_of_mixed_prefill_chunks_and_decodes_gives_each_sequences_own_l
         assert (row - ref).abs().max().item() <= 1e-4 and row.argmax() == ref.argmax()
 
 
+@pytest.mark.parametrize("group_bytes", [1, 1 << 20])
+def test_decodes_attended_in_groups_come_back_in_the_items_order(tiny, monkeypatch, group_bytes):
+    """Short decodes move to the front of the step's row (longest first) and are attended in groups — one group
+    or one per decode here; every item's logits still come back in the items' order, each its own prefill's."""
+    from kvflow.engine import attention
+    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", group_bytes)
+    cache = PagedKVCache(tiny.num_layers, 32, 4, tiny.kv_heads, tiny.head_dim)
+    runner = BatchRunner(tiny, cache)
+    a, b, c, d = ids(30, 1), ids(5, 2), ids(13, 3), ids(9, 4)
+    tables = {"a": list(range(0, 8)), "b": [20, 9], "c": [31, 8, 12, 30], "d": [15, 14, 13]}  # scattered blocks
+    runner.execute([StepItem(tables["a"], 0, a[:10], False), StepItem(tables["b"], 0, b, True),
+                    StepItem(tables["c"], 0, c, True), StepItem(tables["d"], 0, d, True)])
+    logits = runner.execute([StepItem(tables["b"], 5, [7], True), StepItem(tables["a"], 10, a[10:], True),
+                             StepItem(tables["c"], 13, [8], True), StepItem(tables["d"], 9, [6], False)])
+    assert logits.shape[0] == 3
+    for row, tokens in zip(logits, (b + [7], a, c + [8])):
+        _, ref = tiny.reference_prefill(torch.tensor(tokens))
+        assert (row - ref).abs().max().item() <= 1e-4 and row.argmax() == ref.argmax()
+
+
 def test_four_concurrent_requests_are_batched_and_each_equals_generate(tiny):
     engine = LLMEngine(tiny, EngineConfig(block_size=8))
     prompts = [ids(n, seed) for seed, n in enumerate((37, 5, 20, 64))]

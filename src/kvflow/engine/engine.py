@@ -130,7 +130,7 @@ class LLMEngine:
                                   runner.head_dim, runner.dtype, self.elastic.region.kv if self.elastic else None,
                                   runner.device)
         self.blocks = BlockManager(self.num_blocks + len(lent), cfg.block_size, cfg.enable_prefix_caching, lent)
-        self.batch_runner = BatchRunner(runner, self.cache)
+        self.batch_runner = BatchRunner(runner, self.cache, longest)
         began = time.perf_counter()
         reserve, how = engine_reserve(runner, cfg, longest)       # stated, measured or estimated: reserve.py
         self.memory = MemoryBudget(weight_bytes(runner), reserve, self.num_blocks * per_block, self.num_blocks,

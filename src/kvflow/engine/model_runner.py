@@ -11,7 +11,8 @@ own keys gathered from the cache one sequence at a time, so token q of sequence 
                        A's rows see A's keys only (causal), B's row B's keys, ...
 
 Linear layers (most of the FLOPs and all weight reads) run once for the whole step; that is where batched decode
-gains.
+gains. Decodes over short contexts go first in the row, longest first, and are attended in groups
+(attention.DecodeGroup); the logits come back in the items' order all the same (every row's result is its own).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.engine.attention import Segment, StepMasks, packed_attention
+from kvflow.engine.attention import ONE_QUERY_KEYS, Segment, StepMasks, groups_of_decodes, packed_attention
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.model.runner import ModelRunner
 
@@ -48,8 +49,12 @@ class _StepSlot:
 
 
 class BatchRunner:
-    def __init__(self, runner: ModelRunner, cache: PagedKVCache):
+    """``max_group_keys``: the most keys one group of decodes may gather (padded), i.e. the longest sequence whose
+    one-layer K/V the engine's activation reserve counts; default the whole cache."""
+
+    def __init__(self, runner: ModelRunner, cache: PagedKVCache, max_group_keys: int | None = None):
         self.runner, self.cache = runner, cache
+        self.max_group_keys = max_group_keys or cache.num_blocks * cache.block_size
         model = runner.hf_model
         self._base = model.model
         params = inspect.signature(runner.layers[0].forward).parameters
@@ -60,18 +65,26 @@ class BatchRunner:
         """Run the step; returns fp32 logits [n_sample, vocab] of the items with ``sample``, in order (on the host)."""
         assert items
         cache = self.cache
-        ids, qpos, write, last, segments = [], [], [], [], []
+        short = sorted((i for i, it in enumerate(items) if len(it.token_ids) == 1 and it.start + 1 < ONE_QUERY_KEYS),
+                       key=lambda i: -items[i].start)           # attended in groups: the first rows, longest first
+        grouped = set(short)
+        ids, qpos, write, segments, row = [], [], [], [], {}
         q0 = 0
-        for it in items:
+        for i in short + [i for i in range(len(items)) if i not in grouped]:
+            it = items[i]
             n, end = len(it.token_ids), it.start + len(it.token_ids)
             ids.extend(it.token_ids)
             qpos.append(torch.arange(it.start, end, device=cache.device))
             write.append(cache.slots(it.block_table, it.start, end))
-            segments.append(Segment(q0, q0 + n, it.start, cache.blocks(it.block_table, end),
-                                    cache.run_start(it.block_table, end)))
+            if i not in grouped:
+                segments.append(Segment(q0, q0 + n, it.start, cache.blocks(it.block_table, end),
+                                        cache.run_start(it.block_table, end)))
             q0 += n
-            if it.sample:
-                last.append(q0 - 1)
+            row[i] = q0 - 1
+        last = [row[i] for i, it in enumerate(items) if it.sample]         # the items' order
+        decodes = groups_of_decodes([items[i].start + 1 for i in short], [items[i].block_table for i in short],
+                                    cache.block_size, cache.num_blocks, self.max_group_keys,
+                                    2 * cache.kv_heads * cache.head_dim * cache.kv.element_size(), cache.device)
         slot, masks = _StepSlot(cache, torch.cat(write)), StepMasks()
         with torch.inference_mode():
             hidden = self._base.embed_tokens(torch.tensor(ids, dtype=torch.long, device=cache.device).view(1, -1))
@@ -82,6 +95,7 @@ class BatchRunner:
                                 position_embeddings=position_embeddings, use_cache=True,
                                 kvflow_attend=packed_attention, kvflow_segments=segments,
                                 kvflow_windows=self._windows, kvflow_cache=cache, kvflow_masks=masks,
+                                kvflow_decodes=decodes,
                                 **{self._cache_kw: slot})
                 if isinstance(hidden, tuple):
                     hidden = hidden[0]

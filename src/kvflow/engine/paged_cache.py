@@ -89,6 +89,14 @@ class PagedKVCache:
         both = rows.index_select(0, torch.cat([blocks, blocks + nb])).view(2, -1, h, d)[:, :end]
         return both[0].transpose(0, 1).unsqueeze(0), both[1].transpose(0, 1).unsqueeze(0)
 
+    def gather_padded(self, layer: int, index: torch.Tensor, count: int,
+                      keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of ``count`` sequences as [count, H, keys, D] (copies): ``index`` lists, for K then again for V, each
+        sequence's ``keys // block_size`` block rows of the layer's [K blocks; V blocks] (attention.DecodeGroup)."""
+        h, d = self.kv_heads, self.head_dim
+        both = self.kv[layer].view(2 * self.num_blocks, -1).index_select(0, index).view(2, count, keys, h, d)
+        return both[0].transpose(1, 2), both[1].transpose(1, 2)
+
     def write_sequence(self, block_table: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], start: int,
                        end: int) -> None:
         """Copy positions [start, end) of per-layer (k, v) [1, H, >=end, D] (e.g. a restoration's) into blocks."""
