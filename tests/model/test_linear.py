@@ -57,3 +57,38 @@ def test_a_loaded_model_packs_and_keeps_its_fingerprint(monkeypatch):
     with torch.inference_mode():
         a, b = packed.hf_model(ids).logits, plain.hf_model(ids).logits
     assert (a - b).abs().max().item() <= 1e-4 and torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+class GatedMLP(torch.nn.Module):
+    def __init__(self, swapped=False):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(576, 1536, bias=False), torch.nn.Linear(576, 1536, bias=False)
+        self.down_proj, self.act_fn, self.swapped = torch.nn.Linear(1536, 576, bias=False), torch.nn.SiLU(), swapped
+
+    def forward(self, x):
+        g, u = (self.up_proj(x), self.gate_proj(x)) if self.swapped else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.act_fn(g) * u)
+
+
+def test_a_gated_mlp_packs_gate_and_up_as_one_weight_with_its_own_output():
+    """down(act(gate(x)) * up(x)) with [gate; up] in one packed call: its own forward's output, a row's result
+    independent of its batch, the weights untouched; an MLP that computes otherwise keeps its own forward."""
+    torch.manual_seed(1)
+    mlp, other = GatedMLP(), GatedMLP(swapped=True)
+    x = torch.randn(2, 7, 576)
+    with torch.no_grad():
+        want, want_other = mlp(x), other(x)
+    assert pack_linears(mlp, free_bytes=None) == 3 * 576 * 1536 * 4
+    assert pack_linears(other, free_bytes=None) == 3 * 576 * 1536 * 4
+    assert isinstance(vars(mlp)["forward"], linear.PackedGatedMLP) and "forward" not in vars(mlp.gate_proj)
+    assert "forward" not in vars(other) and "forward" in vars(other.gate_proj)     # packed one by one
+    with torch.inference_mode():
+        got, got_other = mlp(x), other(x)
+        rows = torch.randn(64, 576)
+        batch = mlp(rows)
+        assert all(torch.equal(mlp(rows[i:i + 2]), batch[i:i + 2]) for i in (0, 62))   # (a lone row: docstring)
+    for a, b in ((got, want), (got_other, want_other)):
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(2)                          # an in-place write repacks
+        assert (mlp(x) - GatedMLP.forward(mlp, x)).abs().max().item() <= 1e-5 * want.abs().max().item() * 2
