@@ -65,19 +65,30 @@ def compute_threads() -> int:
         return os.cpu_count() or 1
 
 
-def use_compute_threads() -> None:
-    """Call at the start of the thread that computes when it is not the main thread (the engine loop)."""
+def set_own_threads(n: int) -> None:
+    """``torch.set_num_threads(n)`` for this thread only, for good. torch keeps the last count any thread set in one
+    process-wide value and applies it to a thread at that thread's first op (its lazy init), after which the
+    count is the thread's own (OpenMP's and MKL's per-thread settings). A thread that sets its count before its
+    first op is therefore reset to whatever another thread set in between: the serving engine's thread set 2, a
+    pool reader then set 1, and the engine's first step made every op of the server single-threaded (one core
+    busy; served decode at batch 1 ~60 ms a token against ~47 ms in process). Reading the count first runs the lazy
+    init, so the count set next stays this thread's."""
     import torch
 
-    torch.set_num_threads(compute_threads())
+    torch.get_num_threads()
+    torch.set_num_threads(n)
+
+
+def use_compute_threads() -> None:
+    """Call at the start of the thread that computes when it is not the main thread (the engine loop)."""
+    set_own_threads(compute_threads())
 
 
 def single_threaded() -> None:
     """Call at the start of a helper thread: torch ops in it run without an OpenMP team. Leaves other threads'
     counts alone (torch's count is per thread for OpenMP and MKL); a no-op where torch was never imported."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_num_threads(1)
+    if "torch" in sys.modules:
+        set_own_threads(1)
 
 
 def single_threaded_run(fn: Callable[..., T]) -> Callable[..., T]:

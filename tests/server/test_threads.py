@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvflow.pool.write_queue import WriteQueue
-from kvflow.threads import compute_threads, in_fresh_thread, single_threaded_run
+from kvflow.threads import compute_threads, in_fresh_thread, single_threaded, single_threaded_run, use_compute_threads
 
 from .helpers import client, make_app, run
 
@@ -27,6 +27,31 @@ def test_set_up_in_a_fresh_thread_computes_with_the_compute_threads_even_after_a
     t.join()                            # a helper has set torch's count to 1 (new threads would inherit it)
     assert seen == [1]
     assert in_fresh_thread(torch.get_num_threads) == compute_threads()
+
+
+@pytest.mark.skipif(compute_threads() < 2, reason="one compute thread: nothing to lose")
+def test_the_computing_thread_keeps_its_count_when_a_helper_starts_before_its_first_op():
+    """torch applies the last count any thread set to a thread's first op: the engine thread that set its count,
+    then saw a pool reader start (which sets 1) before its first step, ran the whole server single-threaded."""
+    counted, helper_done, seen = threading.Event(), threading.Event(), []
+
+    def engine_thread():
+        use_compute_threads()
+        counted.set()
+        helper_done.wait()
+        seen.append(torch.get_num_threads())          # its first op comes after the helper's set
+
+    def helper():
+        counted.wait()
+        single_threaded()
+        helper_done.set()
+
+    threads = [threading.Thread(target=engine_thread), threading.Thread(target=helper)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == [compute_threads()]
 
 
 def test_the_pool_writer_thread_runs_torch_single_threaded():

@@ -37,7 +37,7 @@ from kvflow.model.host_memory import keep_freed_memory
 from kvflow.model.linear import pack_linears
 from kvflow.model.presets import PRESETS, build_config, parse_name
 from kvflow.model.shape import ModelShape
-from kvflow.threads import compute_threads, set_compute_threads
+from kvflow.threads import compute_threads, set_compute_threads, set_own_threads
 
 # Grouped-query attention with an explicit mask: let SDPA broadcast K/V heads (enable_gqa) instead of
 # transformers materialising repeated K/V per call — same numbers, up to 4x faster attention at 8K+ on CPU.
@@ -311,7 +311,7 @@ def _resolve_threads() -> None:
     if not threads:
         threads = torch.get_num_threads() if threading.current_thread() is threading.main_thread() else \
             compute_threads()
-    torch.set_num_threads(threads)
+    set_own_threads(threads)
     set_compute_threads(threads)
 
 
