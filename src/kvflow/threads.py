@@ -31,9 +31,9 @@ from typing import Callable, TypeVar
 # spinning worker then holds a core its partner needs, and a region waits for a partner that is descheduled.
 # Measured on the 2-vCPU box under load (load average 5-13, smollm2-135m, engine.generate, 16 steps): batch 1
 # 16.3 s -> 1.2 s, batch 4 128.8 s -> 2.8 s, batch 8 29.2 s -> 5.9 s; one thread alone 4.8 s at batch 4. On the
-# idle box an in-process decode step of 8 sequences is faster spinning (10,000 spins: ~105-135 ms against ~200 ms),
-# but served it is not (kvflow bench decode --peer vllm, one round: 202 vs 209 ms at batch 8, 84 vs 72 at batch 1):
-# the HTTP loop needs the core a spinning worker holds. docs/ENGINE.md, "Threads".
+# idle box spinning is faster: in-process a decode step of 8 sequences ~105-135 ms against ~200 ms (10,000 spins);
+# served, 10-15% (batch 1 / 8 / 32: 47.5 / 62-78 / 169-173 ms at 100,000 spins against 55.5 / 70.3 / 186 ms) —
+# against the losses above under load. docs/ENGINE.md, "Threads".
 WAIT_POLICY = "PASSIVE"
 WAIT_POLICY_OURS = not ({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ))   # the peer keeps its own
 

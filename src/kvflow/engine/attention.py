@@ -29,7 +29,7 @@ longest sequence the engine holds, whose one-layer K/V the activation reserve al
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +60,7 @@ class DecodeGroup:
     lengths: torch.Tensor      # [count] keys of each decode
     index: torch.Tensor        # rows of a layer's [K blocks; V blocks] (PagedKVCache.gather_padded)
     keys: int                  # padded keys per sequence (whole blocks)
-    masks: dict                # window -> additive mask [count, 1, 1, keys] (0 seen, -inf not), built on first use
+    masks: dict = field(default_factory=dict)   # window -> additive mask [count, 1, 1, keys], built on first use
 
     @property
     def count(self) -> int:
@@ -75,6 +75,12 @@ class DecodeGroup:
             self.masks[window] = torch.zeros(seen.shape, dtype=torch.float32, device=seen.device).masked_fill_(
                 ~seen, float("-inf")).view(self.count, 1, 1, self.keys)
         return self.masks[window]
+
+
+def in_a_group(n: int, end: int) -> bool:
+    """Whether a step's item of ``n`` new tokens ending at ``end`` is a decode attended in a group (else one_query
+    from ONE_QUERY_KEYS keys, or its own segment)."""
+    return n == 1 and end < ONE_QUERY_KEYS
 
 
 def groups_of_decodes(ends: list[int], tables: list[list[int]], block_size: int, num_blocks: int, max_keys: int,
@@ -92,7 +98,7 @@ def groups_of_decodes(ends: list[int], tables: list[list[int]], block_size: int,
         padded = [t[:(e + block_size - 1) // block_size] for t, e in zip(tables[i:j], ends[i:j])]
         rows = torch.tensor([b + [b[0]] * (nblocks - len(b)) for b in padded], dtype=torch.long).view(-1)
         index = torch.cat([rows, rows + num_blocks]).to(device)
-        groups.append(DecodeGroup(i, torch.tensor(ends[i:j], device=device), index, nblocks * block_size, {}))
+        groups.append(DecodeGroup(i, torch.tensor(ends[i:j], device=device), index, nblocks * block_size))
         i = j
     return groups
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.engine.attention import ONE_QUERY_KEYS, Segment, StepMasks, groups_of_decodes, packed_attention
+from kvflow.engine.attention import Segment, StepMasks, groups_of_decodes, in_a_group, packed_attention
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.model.runner import ModelRunner
 
@@ -65,7 +65,7 @@ class BatchRunner:
         """Run the step; returns fp32 logits [n_sample, vocab] of the items with ``sample``, in order (on the host)."""
         assert items
         cache = self.cache
-        short = sorted((i for i, it in enumerate(items) if len(it.token_ids) == 1 and it.start + 1 < ONE_QUERY_KEYS),
+        short = sorted((i for i, it in enumerate(items) if in_a_group(len(it.token_ids), it.start + len(it.token_ids))),
                        key=lambda i: -items[i].start)           # attended in groups: the first rows, longest first
         grouped = set(short)
         ids, qpos, write, segments, row = [], [], [], [], {}

@@ -18,8 +18,9 @@ So weights of at least ``PACK_MIN_ELEMENTS`` are packed and always go through on
 path — an engine step, a restoration's chunk, ``generate`` — computes a given layer the same way: from two rows up a
 row's result does not depend on how many rows share the call (checked bit for bit against a batch of 512). A lone
 row through a weight whose input is long (1,536 and 8,192 here; 576 and 1,024 not) takes oneDNN's one-row path,
-which sums in another order: relative ~2e-6 from the same row in a batch, inside every exactness bound. Smaller weights stay on ``F.linear``. Results differ from ``F.linear`` by summation order only (relative
-~1e-6). The dense weight stays where it was (the embedding shares the LM head's; state_dict and the fingerprint
+which sums in another order: relative ~2e-6 from the same row in a batch, inside every exactness bound. Smaller
+weights stay on ``F.linear``. Results differ from ``F.linear`` by summation order only (relative ~1e-6). The dense
+weight stays where it was (the embedding shares the LM head's; state_dict and the fingerprint
 read it), so packing costs a second copy of the packed weights: skipped when that copy would take more than a
 quarter of the free memory. ``$KVFLOW_LINEAR=torch`` keeps every layer on ``F.linear``.
 
