@@ -20,9 +20,9 @@ row's result does not depend on how many rows share the call (checked bit for bi
 row through a weight whose input is long (1,536 and 8,192 here; 576 and 1,024 not) takes oneDNN's one-row path,
 which sums in another order: relative ~2e-6 from the same row in a batch, inside every exactness bound. Smaller
 weights stay on ``F.linear``. Results differ from ``F.linear`` by summation order only (relative ~1e-6). The dense
-weight stays where it was (the embedding shares the LM head's; state_dict and the fingerprint
-read it), so packing costs a second copy of the packed weights: skipped when that copy would take more than a
-quarter of the free memory. ``$KVFLOW_LINEAR=torch`` keeps every layer on ``F.linear``.
+weight stays where it was (the embedding shares the LM head's; state_dict and the fingerprint read it), so packing
+costs a second copy of the packed weights: skipped when that copy would take more than a quarter of the free memory.
+``$KVFLOW_LINEAR=torch`` keeps every layer on ``F.linear``.
 
 A gated MLP (``down(act(gate(x)) * up(x))``, Llama's and Qwen's) packs its gate and up projections as one weight
 [gate; up] and makes one call where it made two: smollm2-135m's 2 x (1536 x 576) took 143 -> 92 us at 1 row, 259 ->
@@ -74,30 +74,35 @@ def _packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return _LINEAR(x.contiguous(), weight, bias, "none", [], "")
 
 
-def _source(*weights: torch.Tensor) -> tuple:
-    """What a packed copy was made from: the weights' identity, storage and version (an in-place write bumps it)."""
-    return tuple((id(w), w.data_ptr(), w._version) for w in weights)
+class PackedWeight:
+    """One or more weights stacked by rows and reordered for oneDNN, remade whenever any of them changed (its
+    version counter: an in-place write, ``load_state_dict``) or was replaced (identity, storage)."""
+
+    def __init__(self) -> None:
+        self.weight: torch.Tensor | None = None
+        self.source: tuple | None = None
+
+    def of(self, *weights: torch.Tensor) -> torch.Tensor:
+        source = tuple((id(w), w.data_ptr(), w._version) for w in weights)
+        if source != self.source:
+            stacked = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+            self.weight, self.source = torch.ops.mkldnn._reorder_linear_weight(stacked, ROW_HINT), source
+        return self.weight
 
 
 class PackedLinear:
-    """``forward`` of one ``nn.Linear``: its weight reordered for oneDNN on first use and again whenever the weight
-    changed (its version counter: an in-place write, ``load_state_dict``) or was replaced; the bias as it is (no
-    grad: inference only). A layer moved off the host or out of fp32 after packing goes back to ``F.linear``, and
-    a deep copy packs its own copy's weight."""
+    """``forward`` of one ``nn.Linear``: its weight reordered for oneDNN on first use and again whenever it changed
+    (``PackedWeight``); the bias as it is (no grad: inference only). A layer moved off the host or out of fp32 after
+    packing goes back to ``F.linear``, and a deep copy packs its own copy's weight."""
 
     def __init__(self, linear: torch.nn.Linear):
-        self.linear = linear
-        self.weight: torch.Tensor | None = None
-        self.source: tuple | None = None
+        self.linear, self.packed = linear, PackedWeight()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, bias = self.linear.weight, self.linear.bias
         if not _host_fp32(w, x):
             return F.linear(x, w, bias)
-        source = _source(w)
-        if source != self.source:
-            self.weight, self.source = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ROW_HINT), source
-        return _packed(x, self.weight, None if bias is None else bias.detach())
+        return _packed(x, self.packed.of(w), None if bias is None else bias.detach())
 
     def __deepcopy__(self, memo):
         return PackedLinear(copy.deepcopy(self.linear, memo))
@@ -108,20 +113,14 @@ class PackedGatedMLP:
     repacked when either changes; off the host or out of fp32 it is the MLP's own forward."""
 
     def __init__(self, mlp: torch.nn.Module):
-        self.mlp = mlp
-        self.weight: torch.Tensor | None = None
-        self.source: tuple | None = None
+        self.mlp, self.packed = mlp, PackedWeight()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.mlp
         gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
         if not _host_fp32(gate, up, x):
             return type(mlp).forward(mlp, x)
-        source = _source(gate, up)
-        if source != self.source:
-            both = torch.cat([gate.detach(), up.detach()])
-            self.weight, self.source = torch.ops.mkldnn._reorder_linear_weight(both, ROW_HINT), source
-        g, u = _packed(x, self.weight, None).split(gate.shape[0], dim=-1)
+        g, u = _packed(x, self.packed.of(gate, up), None).split(gate.shape[0], dim=-1)
         return mlp.down_proj(mlp.act_fn(g) * u)
 
     def __deepcopy__(self, memo):
