@@ -17,7 +17,6 @@ gains. Decodes over short contexts go first in the row, longest first, and are a
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +56,7 @@ class BatchRunner:
         self.max_group_keys = max_group_keys or cache.num_blocks * cache.block_size
         model = runner.hf_model
         self._base = model.model
-        params = inspect.signature(runner.layers[0].forward).parameters
-        self._cache_kw = next(k for k in ("cache", "past_key_values", "past_key_value") if k in params)
+        self._cache_kw = runner._cache_kw
         self._windows = [runner._sliding_window(i) for i in range(runner.num_layers)]
 
     def execute(self, items: list[StepItem]) -> torch.Tensor:

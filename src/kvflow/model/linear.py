@@ -66,11 +66,11 @@ def available() -> bool:
     return ok
 
 
-def _host_fp32(*tensors: torch.Tensor) -> bool:
+def host_fp32(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
-def _packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _LINEAR(x.contiguous(), weight, bias, "none", [], "")
 
 
@@ -100,9 +100,9 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, bias = self.linear.weight, self.linear.bias
-        if not _host_fp32(w, x):
+        if not host_fp32(w, x):
             return F.linear(x, w, bias)
-        return _packed(x, self.packed.of(w), None if bias is None else bias.detach())
+        return packed(x, self.packed.of(w), None if bias is None else bias.detach())
 
     def __deepcopy__(self, memo):
         return PackedLinear(copy.deepcopy(self.linear, memo))
@@ -118,9 +118,9 @@ class PackedGatedMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.mlp
         gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
-        if not _host_fp32(gate, up, x):
+        if not host_fp32(gate, up, x):
             return type(mlp).forward(mlp, x)
-        g, u = _packed(x, self.packed.of(gate, up), None).split(gate.shape[0], dim=-1)
+        g, u = packed(x, self.packed.of(gate, up), None).split(gate.shape[0], dim=-1)
         return mlp.down_proj(mlp.act_fn(g) * u)
 
     def __deepcopy__(self, memo):
@@ -136,7 +136,7 @@ def _fuse_gated_mlp(m: torch.nn.Module) -> bool:
         return False
     gate, up, _ = parts
     if (gate.bias is not None or up.bias is not None or gate.weight.shape != up.weight.shape
-            or not _host_fp32(gate.weight, up.weight) or gate.weight.numel() < PACK_MIN_ELEMENTS):
+            or not host_fp32(gate.weight, up.weight) or gate.weight.numel() < PACK_MIN_ELEMENTS):
         return False
     fused = PackedGatedMLP(m)
     probe = torch.randn(4, gate.in_features, generator=torch.Generator().manual_seed(0))
@@ -153,7 +153,7 @@ def pack_linears(model: torch.nn.Module, free_bytes: int | None) -> int:
     oneDNN (the module docstring says why and when not); returns the bytes packed (0: none)."""
     if mode() == "torch" or not available():
         return 0
-    chosen = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and _host_fp32(m.weight)
+    chosen = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and host_fp32(m.weight)
               and m.weight.numel() >= PACK_MIN_ELEMENTS]
     need = sum(m.weight.numel() * 4 for m in chosen)      # the same bytes whether gate and up pack together or not
     if not chosen:

@@ -34,6 +34,7 @@ from kvflow.model.device import default_dtype
 from kvflow.model.device import resolve as resolve_device
 from kvflow.model.dtypes import parse_dtype
 from kvflow.model.host_memory import keep_freed_memory
+from kvflow.model.layer import fuse_layers
 from kvflow.model.linear import pack_linears
 from kvflow.model.presets import PRESETS, build_config, parse_name
 from kvflow.model.shape import ModelShape
@@ -125,12 +126,11 @@ class ModelRunner:
             raise ModelError(f"{name}: architecture {type(hf_model).__name__} is not a decoder-only LM kvflow can "
                              "drive (needs model.embed_tokens/layers/norm/rotary_emb and lm_head)")
         self._base = base
-        self.layers = list(base.layers)
-        params = inspect.signature(self.layers[0].forward).parameters
+        params = inspect.signature(base.layers[0].forward).parameters
         self._cache_kw = next((k for k in ("cache", "past_key_values", "past_key_value") if k in params), None)
         if self._cache_kw is None:
             raise ModelError(f"{name}: decoder layer takes no cache argument; unsupported transformers version")
-        self.num_layers = len(self.layers)
+        self.num_layers = len(base.layers)
         self.shape = ModelShape.from_config(name, self.config.to_dict())
         assert self.shape.layers == self.num_layers, (self.shape.layers, self.num_layers)
         self.kv_heads, self.head_dim = self.shape.kv_heads, self.shape.head_dim
@@ -140,6 +140,10 @@ class ModelRunner:
         # large fp32 linear layers on the host through oneDNN with packed weights (model/linear.py)
         self.packed_linear_bytes = pack_linears(hf_model, free_memory(self.device)) if self.device.type == "cpu" \
             else 0
+        # the runner's own paths run each layer in fewer ops where that gives the layer's result (model/layer.py)
+        self.layers = fuse_layers(base.layers, base.rotary_emb, self._cache_kw, free_memory(self.device)) \
+            if self.device.type == "cpu" else list(base.layers)
+        self.fused_layers = sum(1 for a, b in zip(self.layers, base.layers) if a is not b)
 
     def _sliding_window(self, layer: int) -> int | None:
         window = getattr(self.config, "sliding_window", None)

@@ -1,0 +1,170 @@
+"""A decoder layer in fewer ops: the runner's own forward of a Llama-shaped layer, on the host in fp32.
+
+transformers' decoder layer is a tree of modules driven op by op: two RMSNorms of eight ops each, q, k and v as
+three projections, rotary embedding applied to q and to k apart, views and transposes between, and the Python of
+every module call, decorator and keyword pass-through. On a 30-layer model at one decode row that is ~1,500 ops and
+~15 ms of a ~50 ms step outside the ops' own time (smollm2-135m, the 2-vCPU box). :class:`FusedLayer` computes the
+same layer as
+
+    x = rms_norm(h)                      one op (torch's own), the layer's weight and epsilon
+    q|k|v = x @ [Wq; Wk; Wv]             one packed oneDNN call (model/linear.py), the biases as one
+    q|k = q|k * cos + rotate_half(q|k) * sin      q's and k's heads rotated together, as one tensor
+    cache.update(k, v); attention(q, k, v)        the model's attention function, with the caller's keywords
+    h = h + o(attn);  h = h + mlp(rms_norm(h))    the MLP as it is (packed gate and up where they fuse)
+
+It is used only where it gives the module's own result: at load, a probe (random hidden states of a few tokens,
+through a scratch cache) must match the module's output and written K/V within 1e-5 of their largest value, else the
+layer keeps its own forward. A layer with anything the fused forward does not know (a q/k norm, a weight it does not
+read) fails the structural check first. The fused forward serves the runner's paths (``ModelRunner.run_layers``, the
+engine's steps); the model's own ``forward`` — ``generate``, the reference prefill every restoration is checked
+against — still runs the module, so the exactness tests compare one against the other.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.model import attention, linear
+
+log = logging.getLogger(__name__)
+
+_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _rms_eps(norm: torch.nn.Module) -> float | None:
+    """An RMSNorm's epsilon when it is Llama's (a weight of the hidden size and ``variance_epsilon``), else None."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    w = getattr(norm, "weight", None)
+    params = dict(norm.named_parameters())
+    return eps if isinstance(eps, float) and isinstance(w, torch.nn.Parameter) and list(params) == ["weight"] \
+        else None
+
+
+class FusedLayer:
+    """Callable as the decoder layer (``hidden_states, attention_mask=, position_ids=, position_embeddings=``, the
+    cache under any of transformers' names, attention keywords passed through); module docstring."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.layer = layer
+        attn = self.attn = layer.self_attn
+        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.eps1, self.eps2 = _rms_eps(self.norm1), _rms_eps(self.norm2)
+        self.head_dim = attn.head_dim
+        self.q_heads = attn.q_proj.out_features // self.head_dim
+        self.kv_heads = attn.k_proj.out_features // self.head_dim
+        self.qkv = linear.PackedWeight()
+        self.mlp = layer.mlp
+
+    def _bias(self) -> torch.Tensor | None:
+        a = self.attn
+        if a.q_proj.bias is None:
+            return None
+        return torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
+
+    def __call__(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
+                 position_embeddings=None, use_cache=None, cache=None, past_key_values=None, past_key_value=None,
+                 **kwargs) -> torch.Tensor:
+        if not linear.host_fp32(hidden_states):
+            return self.layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                              position_embeddings=position_embeddings, use_cache=use_cache, cache=cache,
+                              past_key_values=past_key_values, past_key_value=past_key_value, **kwargs)
+        a = self.attn
+        slot = cache if cache is not None else past_key_values if past_key_values is not None else past_key_value
+        _, t, width = hidden_states.shape
+        hq, hkv, d = self.q_heads, self.kv_heads, self.head_dim
+        x = F.rms_norm(hidden_states, (width,), self.norm1.weight, self.eps1)
+        qkv = linear.packed(x, self.qkv.of(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), self._bias())
+        qkv = qkv.view(t, hq + 2 * hkv, d)
+        cos, sin = position_embeddings                               # [1, T, D]
+        cos, sin = cos.view(t, 1, d), sin.view(t, 1, d)
+        qk = qkv[:, :hq + hkv]
+        half = d // 2
+        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        q = qk[:, :hq].transpose(0, 1).unsqueeze(0)                  # [1, Hq, T, D]
+        k = qk[:, hq:].transpose(0, 1).unsqueeze(0)                  # [1, Hkv, T, D]
+        v = qkv[:, hq + hkv:].transpose(0, 1).unsqueeze(0)
+        if slot is not None:
+            k, v = slot.update(k, v, a.layer_idx)
+        out, _ = attention.attention(a, q, k, v, attention_mask, scaling=a.scaling, **kwargs)
+        h = hidden_states + a.o_proj(out.reshape(1, t, hq * d))
+        return h + self.mlp(F.rms_norm(h, (width,), self.norm2.weight, self.eps2))
+
+
+def _shaped_like_llama(layer: torch.nn.Module) -> bool:
+    """Exactly the parts FusedLayer reads: two RMSNorms, q/k/v/o projections (q, k, v with biases all or none) and
+    nothing else in the attention module that holds weights (a q/k norm would be skipped), an MLP."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None or not all(isinstance(getattr(attn, p, None), torch.nn.Linear) for p in _ATTENTION_PARTS):
+        return False
+    if {n for n, _ in attn.named_children()} != set(_ATTENTION_PARTS):
+        return False
+    if {n for n, _ in layer.named_children()} != {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}:
+        return False
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    if len({p.bias is None for p in (q, k, v)}) != 1 or not isinstance(getattr(attn, "head_dim", None), int):
+        return False
+    if q.out_features % attn.head_dim or k.out_features != v.out_features or k.out_features % attn.head_dim:
+        return False
+    if not all(linear.host_fp32(p.weight) for p in (q, k, v)):
+        return False
+    return _rms_eps(layer.input_layernorm) is not None and _rms_eps(layer.post_attention_layernorm) is not None
+
+
+class _ProbeSlot:
+    """A scratch cache for the probe: keeps the K/V written, returns them for attention."""
+
+    def __init__(self) -> None:
+        self.kv = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.kv = (key_states.clone(), value_states.clone())
+        return key_states, value_states
+
+
+def _close(want: torch.Tensor, got: torch.Tensor) -> bool:
+    return want.shape == got.shape and \
+        (want - got).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1e-6)
+
+
+def fuse_layers(layers, rotary: torch.nn.Module, cache_kw: str, free_bytes: int | None) -> list:
+    """The runner's layers: each one's FusedLayer where it fuses (``fuse``), else the module. None fuse with
+    ``$KVFLOW_LINEAR=torch`` or without oneDNN, or when the packed q|k|v copies would take more than a quarter of
+    ``free_bytes`` (the rule packing the other linear layers follows, model/linear.py)."""
+    layers = list(layers)
+    if not (linear.available() and linear.mode() == "onednn"):
+        return layers
+    shaped = [layer for layer in layers if _shaped_like_llama(layer)]
+    need = sum(sum(getattr(layer.self_attn, p).weight.numel() * 4 for p in ("q_proj", "k_proj", "v_proj"))
+               for layer in shaped)
+    if free_bytes is not None and need > free_bytes // 4:
+        log.info("decoder layers keep their own forward: packing q|k|v would take %d MiB of %d MiB free",
+                 need >> 20, free_bytes >> 20)
+        return layers
+    return [fuse(layer, rotary, cache_kw) if layer in shaped else layer for layer in layers]
+
+
+def fuse(layer: torch.nn.Module, rotary: torch.nn.Module, cache_kw: str):
+    """``layer``'s FusedLayer when the probe matches its own forward; else ``layer``."""
+    fused = FusedLayer(layer)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 5, layer.input_layernorm.weight.numel(), generator=gen)
+    positions = torch.arange(3, 8).view(1, -1)
+    try:
+        with torch.inference_mode():
+            emb = rotary(hidden, positions)
+            want_slot, got_slot = _ProbeSlot(), _ProbeSlot()
+            want = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=emb,
+                         use_cache=True, **{cache_kw: want_slot})
+            want = want[0] if isinstance(want, tuple) else want
+            got = fused(hidden, attention_mask=None, position_ids=positions, position_embeddings=emb,
+                        use_cache=True, **{cache_kw: got_slot})
+    except (RuntimeError, TypeError, ValueError, AttributeError) as err:      # a shape or call it does not take
+        log.info("layer %s keeps its own forward: the fused one failed its probe (%s)", type(layer).__name__, err)
+        return layer
+    if not (_close(want, got) and all(_close(w, g) for w, g in zip(want_slot.kv, got_slot.kv))):
+        log.info("layer %s keeps its own forward: the fused one differs on its probe", type(layer).__name__)
+        return layer
+    return fused

@@ -1,0 +1,83 @@
+"""The runner's fused decoder layer (model/layer.py) gives each layer's own output and K/V, is used only where it
+does, and leaves the model's own forward (generate, the reference prefill) on the modules."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from kvflow.model import ModelRunner, layer, linear
+
+pytestmark = pytest.mark.skipif(not linear.available(), reason="this torch build has no oneDNN linear")
+
+_SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def _runner(model_type: str, **extra) -> ModelRunner:
+    config = AutoConfig.for_model(model_type, **_SMALL, **extra)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return ModelRunner(AutoModelForCausalLM.from_config(config), f"test-{model_type}")
+
+
+class _Slot:
+    def __init__(self):
+        self.kv = None
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        self.kv = (k.clone(), v.clone())
+        return k, v
+
+
+def _run(fn, runner, hidden, start):
+    positions = torch.arange(start, start + hidden.shape[1]).view(1, -1)
+    slot = _Slot()
+    with torch.inference_mode():
+        out = fn(hidden, attention_mask=None, position_ids=positions,
+                 position_embeddings=runner._base.rotary_emb(hidden, positions), use_cache=True,
+                 **{runner._cache_kw: slot})
+    return (out[0] if isinstance(out, tuple) else out), slot.kv
+
+
+@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 48}),
+                                              ("llama", {"attention_bias": True})])
+@pytest.mark.parametrize("rows,start", [(1, 0), (1, 300), (9, 0), (64, 17)])
+def test_a_fused_layer_gives_its_modules_output_and_kv(model_type, extra, rows, start):
+    runner = _runner(model_type, **extra)
+    assert runner.fused_layers == runner.num_layers
+    for fused, module in zip(runner.layers, runner._base.layers):
+        assert isinstance(fused, layer.FusedLayer) and fused.layer is module
+        hidden = torch.randn(1, rows, 128, generator=torch.Generator().manual_seed(rows + start))
+        want, want_kv = _run(module, runner, hidden, start)
+        got, got_kv = _run(fused, runner, hidden, start)
+        assert (want - got).abs().max().item() <= 1e-5 * want.abs().max().item()
+        for w, g in zip(want_kv, got_kv):
+            assert w.shape == g.shape and (w - g).abs().max().item() <= 1e-5 * w.abs().max().item()
+
+
+def test_the_models_own_forward_keeps_its_modules():
+    runner = _runner("llama")
+    for module in runner._base.layers:
+        assert "forward" not in vars(module) and "forward" not in vars(module.self_attn)
+
+
+def test_a_layer_with_parts_it_does_not_know_keeps_its_own_forward():
+    runner = _runner("qwen3", head_dim=32)              # q_norm / k_norm in the attention module
+    assert runner.fused_layers == 0 and runner.layers == list(runner._base.layers)
+
+
+def test_a_layer_whose_probe_differs_keeps_its_own_forward():
+    runner = _runner("llama")
+    module = runner._base.layers[0]
+    own = type(module).forward
+    module.forward = lambda hidden_states, *a, **k: own(module, hidden_states, *a, **k) + 1.0   # computes otherwise
+    assert layer.fuse(module, runner._base.rotary_emb, runner._cache_kw) is module
+
+
+def test_no_fusion_on_f_linear_or_under_the_memory_guard(monkeypatch):
+    runner = _runner("llama")
+    args = (runner._base.layers, runner._base.rotary_emb, runner._cache_kw)
+    assert all(isinstance(x, layer.FusedLayer) for x in layer.fuse_layers(*args, free_bytes=None))
+    assert layer.fuse_layers(*args, free_bytes=1 << 10) == list(runner._base.layers)
+    monkeypatch.setenv("KVFLOW_LINEAR", "torch")
+    assert layer.fuse_layers(*args, free_bytes=None) == list(runner._base.layers)
