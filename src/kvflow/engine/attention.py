@@ -14,7 +14,9 @@ same arguments).
 A chunk that continues its sequence on the CPU (no window) runs as prefix + causal diagonal block, merged by
 log-sum-exp (``model/attention.py``, shared with the model runner's chunked prefills): no mask is built.
 
-A decode (one query) over a long context is two small matmuls (``one_query``), not SDPA. Decodes over short
+On the host, every decode of a step (one query each) is attended in place by a native op over the block tables
+(``PagedDecodes``, paged_decode.py): nothing is gathered. Where that op is not built (or off the host), a decode
+over a long context is two small matmuls (``one_query``), not SDPA, and decodes over short
 contexts (under ONE_QUERY_KEYS keys) are attended together instead (``DecodeGroup``): the step puts them first in
 its packed row, longest first, and each group of them is one ``index_select`` of their blocks, padded to the
 group's longest, and one masked SDPA call. Per sequence, a decode over 300 keys is a few tens of microseconds of
@@ -35,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvflow.engine import paged_decode
 from kvflow.model.attention import prefix_plus_diagonal, splits_at_the_chunk
 
 MASK_ELEMENTS = 1 << 20      # queries x keys of one masked SDPA call at most: a long chunk runs in blocks of rows
@@ -77,10 +80,35 @@ class DecodeGroup:
         return self.masks[window]
 
 
-def in_a_group(n: int, end: int) -> bool:
-    """Whether a step's item of ``n`` new tokens ending at ``end`` is a decode attended in a group (else one_query
-    from ONE_QUERY_KEYS keys, or its own segment)."""
-    return n == 1 and end < ONE_QUERY_KEYS
+@dataclass(slots=True)
+class PagedDecodes:
+    """Decodes of one step at packed rows [q0, q0 + count), attended in place by the native op (paged_decode.py):
+    sequence i's keys are positions [0, lengths[i]) in the blocks of row i of ``tables`` (padded with its first)."""
+    q0: int
+    lengths: torch.Tensor      # [count] int64
+    tables: torch.Tensor       # [count, max blocks] int64
+
+    @property
+    def count(self) -> int:
+        return self.lengths.numel()
+
+
+def in_a_group(n: int, end: int, native: bool = False) -> bool:
+    """Whether a step's item of ``n`` new tokens ending at ``end`` is a decode attended with others: every decode by
+    the native op in place (``native``), else one under ONE_QUERY_KEYS keys in a DecodeGroup; the rest one_query, or
+    their own segment."""
+    return n == 1 and (native or end < ONE_QUERY_KEYS)
+
+
+def paged_decodes(ends: list[int], tables: list[list[int]], block_size: int, device) -> list[PagedDecodes]:
+    """The decodes whose contexts end at ``ends`` (at packed rows 0, 1, ...; block tables ``tables``) as one call of
+    the native op per layer (none when there are none)."""
+    if not ends:
+        return []
+    rows = [t[:(e + block_size - 1) // block_size] for t, e in zip(tables, ends)]
+    width = max(len(r) for r in rows)
+    padded = torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    return [PagedDecodes(0, torch.tensor(ends, dtype=torch.long, device=device), padded)]
 
 
 def groups_of_decodes(ends: list[int], tables: list[list[int]], block_size: int, num_blocks: int, max_keys: int,
@@ -163,7 +191,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
                      kvflow_masks: StepMasks | None = None, kvflow_decodes: list[DecodeGroup] = (), **kwargs):
     """With ``kvflow_segments``: ``key``/``value`` are only the step's new K/V (already written to ``kvflow_cache``);
     each segment's keys are gathered from the cache. ``kvflow_masks``: the step's masks, shared by its layers.
-    ``kvflow_decodes``: the groups of decodes at the first rows of the step (the segments follow them)."""
+    ``kvflow_decodes``: the decodes at the first rows of the step, as DecodeGroups or one PagedDecodes (the segments
+    follow them)."""
     if kvflow_segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -173,6 +202,12 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     masks = StepMasks() if kvflow_masks is None else kvflow_masks
     outs = []
     for g in kvflow_decodes:
+        if isinstance(g, PagedDecodes):
+            q = query[0, :, g.q0:g.q0 + g.count].transpose(0, 1)                          # [count, Hq, D]
+            out = paged_decode.attend(q, kvflow_cache.kv[layer], g.tables, g.lengths, kvflow_cache.block_size,
+                                      query.shape[-1] ** -0.5 if scaling is None else scaling, window)
+            outs.append(out.transpose(0, 1).unsqueeze(0))                                  # [1, Hq, count, D]
+            continue
         k, v = kvflow_cache.gather_padded(layer, g.index, g.count, g.keys)
         q = query[0, :, g.q0:g.q0 + g.count].transpose(0, 1).unsqueeze(2)                # [count, Hq, 1, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask(window), scale=scaling, enable_gqa=gqa)

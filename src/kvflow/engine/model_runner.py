@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.engine.attention import Segment, StepMasks, groups_of_decodes, in_a_group, packed_attention
+from kvflow.engine import paged_decode
+from kvflow.engine.attention import (Segment, StepMasks, groups_of_decodes, in_a_group, packed_attention,
+                                     paged_decodes)
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.model.runner import ModelRunner
 
@@ -58,12 +60,15 @@ class BatchRunner:
         self._base = model.model
         self._cache_kw = runner._cache_kw
         self._windows = [runner._sliding_window(i) for i in range(runner.num_layers)]
+        # short decodes read in place by the native op on the host (paged_decode.py), else copied into groups
+        self.native = cache.device.type == "cpu" and cache.kv.dtype == torch.float32 and paged_decode.available()
 
     def execute(self, items: list[StepItem]) -> torch.Tensor:
         """Run the step; returns fp32 logits [n_sample, vocab] of the items with ``sample``, in order (on the host)."""
         assert items
         cache = self.cache
-        short = sorted((i for i, it in enumerate(items) if in_a_group(len(it.token_ids), it.start + len(it.token_ids))),
+        short = sorted((i for i, it in enumerate(items)
+                        if in_a_group(len(it.token_ids), it.start + len(it.token_ids), self.native)),
                        key=lambda i: -items[i].start)           # attended in groups: the first rows, longest first
         grouped = set(short)
         ids, qpos, write, segments, row = [], [], [], [], {}
@@ -80,9 +85,10 @@ class BatchRunner:
             q0 += n
             row[i] = q0 - 1
         last = [row[i] for i, it in enumerate(items) if it.sample]         # the items' order
-        decodes = groups_of_decodes([items[i].start + 1 for i in short], [items[i].block_table for i in short],
-                                    cache.block_size, cache.num_blocks, self.max_group_keys,
-                                    2 * cache.kv_heads * cache.head_dim * cache.kv.element_size(), cache.device)
+        ends, tables = [items[i].start + 1 for i in short], [items[i].block_table for i in short]
+        decodes = paged_decodes(ends, tables, cache.block_size, cache.device) if self.native else \
+            groups_of_decodes(ends, tables, cache.block_size, cache.num_blocks, self.max_group_keys,
+                              2 * cache.kv_heads * cache.head_dim * cache.kv.element_size(), cache.device)
         slot, masks = _StepSlot(cache, torch.cat(write)), StepMasks()
         with torch.inference_mode():
             hidden = self._base.embed_tokens(torch.tensor(ids, dtype=torch.long, device=cache.device).view(1, -1))
