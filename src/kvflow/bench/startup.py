@@ -11,9 +11,9 @@ model's checkpoint (integrations/vllm_server.py ``DefaultsProfile``). Timed from
 /health answers 200 (polled every 0.1 s), ``first_token_s`` until the first streamed token of a greedy completion
 sent right then, ``answer_s`` until that answer is whole; ``ttft_s`` is the first token from the request alone.
 
-*Cold* kvflow: a fresh KVFLOW_HOME (its ``models`` linked to the converted checkpoint, so nothing is converted, but
-no cost profile is saved) and a fresh working folder (the default pool's file is created). *Warm*: the same folders
-again — the profile saved by the cold start, the pool file kept. vLLM has no such state of its own here: its cold
+*Cold* kvflow: a fresh KVFLOW_HOME (its ``models`` and ``kernels`` linked to the converted checkpoint and the built
+decode op, so nothing is converted or compiled, but no cost profile is saved) and a fresh working folder (the default
+pool's file is created). *Warm*: the same folders again — the profile saved by the cold start, the pool file kept. vLLM has no such state of its own here: its cold
 start is its first in the run (file caches as the kvflow start before it left them), warm the second.
 """
 
@@ -125,14 +125,16 @@ def kvflow_process(model: str, home: Path, cwd: Path, port: int, log: Path) -> S
 
 
 def fresh_home(folder: Path) -> Path:
-    """A KVFLOW_HOME with no saved profile whose ``models`` is this machine's converted models (no conversion)."""
+    """A KVFLOW_HOME with no saved profile whose ``models`` and ``kernels`` are this machine's converted models and
+    built native op (each made once per machine, by ``make setup``: not part of a start)."""
+    from kvflow.engine.paged_decode import build_dir
     from kvflow.model.catalog import models_dir
 
     home = folder / "kvflow-home"
     home.mkdir(parents=True, exist_ok=True)
-    models = models_dir()
-    if models.is_dir() and not (home / "models").exists():
-        (home / "models").symlink_to(models.resolve())
+    for name, where in (("models", models_dir()), ("kernels", build_dir())):
+        if where.is_dir() and not (home / name).exists():
+            (home / name).symlink_to(where.resolve())
     return home
 
 

@@ -55,7 +55,8 @@ def _flags() -> list[str]:
     return flags
 
 
-def _build_dir() -> Path:
+def build_dir() -> Path:
+    """Where the op is built: ``$KVFLOW_HOME/kernels``."""
     return Path(os.environ.get("KVFLOW_HOME", Path.home() / ".cache" / "kvflow")) / "kernels"
 
 
@@ -76,7 +77,7 @@ def _load() -> bool:
     flags = _flags()
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
     name = f"kvflow_paged_decode_{digest}"
-    where = _build_dir() / digest
+    where = build_dir() / digest
     built = where / f"{name}.so"
     try:
         if built.is_file():                   # built by an earlier process: loaded as it is (the builder's own
