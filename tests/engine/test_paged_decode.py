@@ -48,10 +48,12 @@ def test_the_op_gives_sdpa_over_each_decodes_own_keys(hq, kvh, d, lengths, windo
     assert (got - want).abs().max().item() <= 1e-5
 
 
-def test_the_op_refuses_a_length_beyond_its_table():
+def test_the_op_refuses_a_length_beyond_its_table_or_a_block_beyond_the_cache():
     q, kv, tables, lens = _case(1, 4, 2, 32, [20])
     with pytest.raises(RuntimeError, match="outside the block table"):
         paged_decode.attend(q, kv, tables, torch.tensor([33]), 16, 0.2, None)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        paged_decode.attend(q, kv, torch.tensor([[0, 300]]), lens, 16, 0.2, None)
 
 
 def test_an_engine_with_the_op_gathers_no_decode_kv(tiny, monkeypatch):

@@ -188,7 +188,7 @@ class StepMasks:
 
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                      kvflow_segments: list[Segment] | None = None, kvflow_windows=None, kvflow_cache=None,
-                     kvflow_masks: StepMasks | None = None, kvflow_decodes: list[DecodeGroup] = (), **kwargs):
+                     kvflow_masks: StepMasks | None = None, kvflow_decodes: list = (), **kwargs):
     """With ``kvflow_segments``: ``key``/``value`` are only the step's new K/V (already written to ``kvflow_cache``);
     each segment's keys are gathered from the cache. ``kvflow_masks``: the step's masks, shared by its layers.
     ``kvflow_decodes``: the decodes at the first rows of the step, as DecodeGroups or one PagedDecodes (the segments

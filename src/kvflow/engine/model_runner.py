@@ -11,8 +11,9 @@ own keys gathered from the cache one sequence at a time, so token q of sequence 
                        A's rows see A's keys only (causal), B's row B's keys, ...
 
 Linear layers (most of the FLOPs and all weight reads) run once for the whole step; that is where batched decode
-gains. Decodes over short contexts go first in the row, longest first, and are attended in groups
-(attention.DecodeGroup); the logits come back in the items' order all the same (every row's result is its own).
+gains. Decodes go first in the row, longest first, and are attended together: in place by the native op on the
+host (attention.PagedDecodes), else the short ones in groups over copies (attention.DecodeGroup); the logits come
+back in the items' order all the same (every row's result is its own).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class BatchRunner:
         self._base = model.model
         self._cache_kw = runner._cache_kw
         self._windows = [runner._sliding_window(i) for i in range(runner.num_layers)]
-        # short decodes read in place by the native op on the host (paged_decode.py), else copied into groups
+        # every decode read in place by the native op on the host (paged_decode.py), else short ones copied in groups
         self.native = cache.device.type == "cpu" and cache.kv.dtype == torch.float32 and paged_decode.available()
 
     def execute(self, items: list[StepItem]) -> torch.Tensor:

@@ -105,10 +105,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, const at::Ten
   TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.scalar_type() == at::kFloat && kv.is_contiguous(),
               "kv: [2, S, Hkv, D] fp32 contiguous");
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous(), "tables: [B, M] int64");
-  TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == at::kLong, "lengths: [B] int64");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.scalar_type() == at::kLong && lengths.is_contiguous(),
+              "lengths: [B] int64");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t S = kv.size(1), Hkv = kv.size(2), M = tables.size(1);
-  TORCH_CHECK(kv.size(3) == D && Hq % Hkv == 0 && tables.size(0) == B && lengths.size(0) == B, "shapes disagree");
+  TORCH_CHECK(kv.size(3) == D && Hq % Hkv == 0 && tables.size(0) == B && lengths.size(0) == B &&
+              block_size >= 1 && S % block_size == 0, "shapes disagree");
   const int64_t G = Hq / Hkv;
   auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -117,8 +119,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, const at::Ten
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
+  const int64_t blocks = S / block_size;
+  for (int64_t b = 0; b < B; ++b) {                       // every read below stays inside the layer
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= M * block_size, "length ", lp[b], " outside the block table");
+    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tp[b * M + i] >= 0 && tp[b * M + i] < blocks, "block id ", tp[b * M + i], " outside the cache");
+  }
   const float sc = static_cast<float>(scale);
   const int64_t row = Hkv * D;
   // Keys [lo, len) of a sequence block by block: fn(pointer to the key's row [Hkv, D] in `base`, its index from lo).
