@@ -3,21 +3,15 @@ does, and leaves the model's own forward (generate, the reference prefill) on th
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvflow.model import ModelRunner, layer, linear
+from tests.conftest import small_runner
 
 pytestmark = pytest.mark.skipif(not linear.available(), reason="this torch build has no oneDNN linear")
 
-_SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=4096)
-
 
 def _runner(model_type: str, **extra) -> ModelRunner:
-    config = AutoConfig.for_model(model_type, **_SMALL, **extra)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return ModelRunner(AutoModelForCausalLM.from_config(config), f"test-{model_type}")
+    return small_runner(model_type, layers=2, **extra)
 
 
 class _Slot:

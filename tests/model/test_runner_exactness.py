@@ -4,31 +4,19 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from kvflow.model import ModelRunner
-from tests.conftest import max_abs_diff_kv
+from tests.conftest import max_abs_diff_kv, small_runner
 
 TOL = 1e-4
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-_SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=4096)
-
-
-def _family(model_type: str, **extra) -> ModelRunner:
-    config = AutoConfig.for_model(model_type, **_SMALL, **extra)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return ModelRunner(AutoModelForCausalLM.from_config(config), f"test-{model_type}")
 
 
 @pytest.fixture(scope="module")
 def families(tiny):
     return {
         "llama": tiny,
-        "qwen2": _family("qwen2"),
-        "mistral-sliding": _family("mistral", sliding_window=48),
+        "qwen2": small_runner("qwen2"),
+        "mistral-sliding": small_runner("mistral", sliding_window=48),
     }
 
 
