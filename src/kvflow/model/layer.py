@@ -124,11 +124,6 @@ class _ProbeSlot:
         return key_states, value_states
 
 
-def _close(want: torch.Tensor, got: torch.Tensor) -> bool:
-    return want.shape == got.shape and \
-        (want - got).abs().max().item() <= 1e-5 * max(want.abs().max().item(), 1e-6)
-
-
 def fuse_layers(layers, rotary: torch.nn.Module, cache_kw: str, free_bytes: int | None) -> list:
     """The runner's layers: each one's FusedLayer where it fuses (``fuse``), else the module. None fuse with
     ``$KVFLOW_LINEAR=torch`` or without oneDNN, or when the packed q|k|v copies would take more than a quarter of
@@ -164,7 +159,7 @@ def fuse(layer: torch.nn.Module, rotary: torch.nn.Module, cache_kw: str):
     except (RuntimeError, TypeError, ValueError, AttributeError) as err:      # a shape or call it does not take
         log.info("layer %s keeps its own forward: the fused one failed its probe (%s)", type(layer).__name__, err)
         return layer
-    if not (_close(want, got) and all(_close(w, g) for w, g in zip(want_slot.kv, got_slot.kv))):
+    if not (linear.agrees(want, got) and all(linear.agrees(w, g) for w, g in zip(want_slot.kv, got_slot.kv))):
         log.info("layer %s keeps its own forward: the fused one differs on its probe", type(layer).__name__)
         return layer
     return fused
