@@ -55,14 +55,12 @@ class FusedLayer:
         self.head_dim = attn.head_dim
         self.q_heads = attn.q_proj.out_features // self.head_dim
         self.kv_heads = attn.k_proj.out_features // self.head_dim
-        self.qkv = linear.PackedWeight()
+        self.qkv, self.qkv_bias = linear.PackedWeight(), linear.PackedWeight(reorder=False)
         self.mlp = layer.mlp
 
     def _bias(self) -> torch.Tensor | None:
         a = self.attn
-        if a.q_proj.bias is None:
-            return None
-        return torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
+        return None if a.q_proj.bias is None else self.qkv_bias.of(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
                  position_embeddings=None, use_cache=None, cache=None, past_key_values=None, past_key_value=None,

@@ -75,18 +75,21 @@ def packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 class PackedWeight:
-    """One or more weights stacked by rows and reordered for oneDNN, remade whenever any of them changed (its
-    version counter: an in-place write, ``load_state_dict``) or was replaced (identity, storage)."""
+    """One or more weights stacked by rows and reordered for oneDNN (``reorder=False``: only stacked, e.g. biases),
+    remade whenever any of them changed (its version counter: an in-place write, ``load_state_dict``) or was replaced
+    (identity, storage)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reorder: bool = True) -> None:
         self.weight: torch.Tensor | None = None
         self.source: tuple | None = None
+        self.reorder = reorder
 
     def of(self, *weights: torch.Tensor) -> torch.Tensor:
         source = tuple((id(w), w.data_ptr(), w._version) for w in weights)
         if source != self.source:
             stacked = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
-            self.weight, self.source = torch.ops.mkldnn._reorder_linear_weight(stacked, ROW_HINT), source
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, ROW_HINT) if self.reorder else stacked
+            self.source = source
         return self.weight
 
 
