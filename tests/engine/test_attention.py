@@ -135,7 +135,8 @@ def test_a_step_holds_one_sequences_or_one_groups_gathered_kv_at_a_time(tiny, mo
                         counted(*gather(self, layer, blocks, end), sizes))          # always the copy: counted
     monkeypatch.setattr(PagedKVCache, "gather_padded", lambda self, *a: counted(*gather_padded(self, *a), groups))
     monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 400 * 2 * tiny.kv_heads * tiny.head_dim * 4)   # 400 keys
-    engine = LLMEngine(tiny, EngineConfig(kv_budget=8 << 20, max_num_batched_tokens=2048))
+    # chunks of 256: each long prompt continues a chunk (a prompt's first chunk attends its own new K/V, ungathered)
+    engine = LLMEngine(tiny, EngineConfig(kv_budget=8 << 20, max_num_batched_tokens=256))
     engine.generate([ids(300 + 40 * i, i) for i in range(6)] + [ids(40, 9), ids(50, 10)], SamplingParams(max_tokens=3))
     per_key = 2 * tiny.kv_heads * tiny.head_dim
     longest_decode = (300 + 40 * 5 + 3 + 15) // 16 * 16                  # a group of one: its padded blocks

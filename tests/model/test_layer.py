@@ -4,6 +4,7 @@ does, and leaves the model's own forward (generate, the reference prefill) on th
 import pytest
 import torch
 
+from kvflow import native
 from kvflow.model import ModelRunner, layer, linear
 from tests.conftest import small_runner
 
@@ -36,11 +37,15 @@ def _run(fn, runner, hidden, start):
 @pytest.mark.parametrize("model_type,extra", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 48}),
                                               ("llama", {"attention_bias": True})])
 @pytest.mark.parametrize("rows,start", [(1, 0), (1, 300), (9, 0), (64, 17)])
-def test_a_fused_layer_gives_its_modules_output_and_kv(model_type, extra, rows, start):
+@pytest.mark.parametrize("native_ops", [True, False])
+def test_a_fused_layer_gives_its_modules_output_and_kv(model_type, extra, rows, start, native_ops):
     runner = _runner(model_type, **extra)
     assert runner.fused_layers == runner.num_layers
     for fused, module in zip(runner.layers, runner._base.layers):
         assert isinstance(fused, layer.FusedLayer) and fused.layer is module
+        assert (fused.ops is not None) == native.loaded()
+        if not native_ops:
+            fused.ops = None                            # torch's elementwise ops: the path without the library
         hidden = torch.randn(1, rows, 128, generator=torch.Generator().manual_seed(rows + start))
         want, want_kv = _run(module, runner, hidden, start)
         got, got_kv = _run(fused, runner, hidden, start)

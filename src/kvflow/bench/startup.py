@@ -126,8 +126,8 @@ def kvflow_process(model: str, home: Path, cwd: Path, port: int, log: Path) -> S
 
 def fresh_home(folder: Path) -> Path:
     """A KVFLOW_HOME with no saved profile whose ``models`` and ``kernels`` are this machine's converted models and
-    built native op (each made once per machine, by ``make setup``: not part of a start)."""
-    from kvflow.engine.paged_decode import build_dir
+    built native ops (each made once per machine, by ``make setup``: not part of a start)."""
+    from kvflow.native import build_dir
     from kvflow.model.catalog import models_dir
 
     home = folder / "kvflow-home"

@@ -200,34 +200,42 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     window = kvflow_windows[layer]
     gqa = query.shape[1] != kvflow_cache.kv_heads
     masks = StepMasks() if kvflow_masks is None else kvflow_masks
-    outs = []
+    out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])         # [1, T, Hq, D], row by row
+    own = key is not None and key.dtype == kvflow_cache.kv.dtype     # the new K/V are what the cache holds
+
+    def put(q0: int, part: torch.Tensor) -> None:                                    # part [1, Hq, rows, D]
+        out[:, q0:q0 + part.shape[2]].copy_(part.transpose(1, 2))
+
     for g in kvflow_decodes:
         if isinstance(g, PagedDecodes):
             q = query[0, :, g.q0:g.q0 + g.count].transpose(0, 1)                          # [count, Hq, D]
-            out = paged_decode.attend(q, kvflow_cache.kv[layer], g.tables, g.lengths, kvflow_cache.block_size,
-                                      query.shape[-1] ** -0.5 if scaling is None else scaling, window)
-            outs.append(out.transpose(0, 1).unsqueeze(0))                                  # [1, Hq, count, D]
+            o = paged_decode.attend(q, kvflow_cache.kv[layer], g.tables, g.lengths, kvflow_cache.block_size,
+                                    query.shape[-1] ** -0.5 if scaling is None else scaling, window)
+            out[0, g.q0:g.q0 + g.count] = o
             continue
         k, v = kvflow_cache.gather_padded(layer, g.index, g.count, g.keys)
         q = query[0, :, g.q0:g.q0 + g.count].transpose(0, 1).unsqueeze(2)                # [count, Hq, 1, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask(window), scale=scaling, enable_gqa=gqa)
-        outs.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))                          # [1, Hq, count, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask(window), scale=scaling, enable_gqa=gqa)
+        out[0, g.q0:g.q0 + g.count] = o.squeeze(2)
         del k, v
     for i, s in enumerate(kvflow_segments):
         n = s.q1 - s.q0
-        k, v = kvflow_cache.gather(layer, s.blocks, s.start + n, s.first)
+        if s.start == 0 and own:          # a prompt's first chunk: its keys are the step's own, nothing to gather
+            k, v = key[:, :, s.q0:s.q1], value[:, :, s.q0:s.q1]
+        else:
+            k, v = kvflow_cache.gather(layer, s.blocks, s.start + n, s.first)
         if n == 1 and s.start + 1 >= ONE_QUERY_KEYS:
             seen = 0 if window is None else max(0, s.start + 1 - window)      # a window hides keys older than it
-            outs.append(one_query(query[:, :, s.q0:s.q1], k[:, :, seen:], v[:, :, seen:], scaling))
+            put(s.q0, one_query(query[:, :, s.q0:s.q1], k[:, :, seen:], v[:, :, seen:], scaling))
         elif splits_at_the_chunk(query, s.start, n, window):
-            outs.append(prefix_plus_diagonal(query[:, :, s.q0:s.q1], k, v, s.start, scaling))
+            put(s.q0, prefix_plus_diagonal(query[:, :, s.q0:s.q1], k, v, s.start, scaling))
         else:
             for r0, r1 in row_blocks(s.start, n, window):
                 end = s.start + r1                   # keys [0, end) are the ones these rows may see
                 mask = masks.get((i, r0, window), s.start + r0, r1 - r0, window, query.device)
                 causal = mask is None and r1 - r0 > 1
-                outs.append(F.scaled_dot_product_attention(query[:, :, s.q0 + r0:s.q0 + r1], k[:, :, :end],
-                                                           v[:, :, :end], attn_mask=mask, is_causal=causal,
-                                                           scale=scaling, enable_gqa=gqa))
+                put(s.q0 + r0, F.scaled_dot_product_attention(query[:, :, s.q0 + r0:s.q0 + r1], k[:, :, :end],
+                                                              v[:, :, :end], attn_mask=mask, is_causal=causal,
+                                                              scale=scaling, enable_gqa=gqa))
         del k, v                          # freed before the next segment's gather
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    return out, None

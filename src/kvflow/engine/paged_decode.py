@@ -21,79 +21,24 @@ and in an engine, decode steps of smollm2-135m alternated with the grouped copy 
 25): 92 against 113 ms at 8 sequences, 192 against 251 ms at 32; a tie at 1. So every decode of a step goes through
 it. Results differ from SDPA's by summation order (~3e-7).
 
-It is built with torch's extension builder into ``$KVFLOW_HOME/kernels`` on first use in a process (~25 s on the
-2-vCPU box, once per machine: later processes load the built library) — ``make setup`` builds it — with AVX2 and FMA
-where the CPU reports them. Where it cannot be built (no C++ compiler, no headers) or ``$KVFLOW_DECODE_ATTENTION=torch``
-the engine keeps the copy + SDPA path; either way the numbers agree within the exactness bounds.
+It is part of kvflow's native library (native.py: built once per machine by ``make setup``, AVX2 and FMA where the
+CPU reports them). Where that cannot be built or ``$KVFLOW_DECODE_ATTENTION=torch`` the engine keeps the copy + SDPA
+path; either way the numbers agree within the exactness bounds.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import threading
-from pathlib import Path
-
 import torch
 
+from kvflow import native
 from kvflow.config import env_choice
 
-log = logging.getLogger(__name__)
-
 MODES = ("native", "torch")        # $KVFLOW_DECODE_ATTENTION; the first is the default
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-
-_lock = threading.Lock()
-_state: dict[str, object] = {}     # "ok": bool once tried, "error": why not
-
-
-def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp"]       # OpenMP: at::parallel_for runs on torch's own pool (libgomp is loaded once)
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma"]
-    return flags
-
-
-def build_dir() -> Path:
-    """Where the op is built: ``$KVFLOW_HOME/kernels``."""
-    return Path(os.environ.get("KVFLOW_HOME", Path.home() / ".cache" / "kvflow")) / "kernels"
 
 
 def available() -> bool:
-    """Whether the op is on (``$KVFLOW_DECODE_ATTENTION``) and built (building it now if not yet); a build that
-    fails is logged once and the answer stays False for the process."""
-    if env_choice("KVFLOW_DECODE_ATTENTION", MODES) != "native":
-        return False
-    with _lock:
-        if "ok" not in _state:
-            _state["ok"] = _load()
-        return bool(_state["ok"])
-
-
-def _load() -> bool:
-    if hasattr(torch.ops.kvflow, "paged_decode"):
-        return True
-    flags = _flags()
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags + [torch.__version__]).encode()).hexdigest()[:12]
-    name = f"kvflow_paged_decode_{digest}"
-    where = build_dir() / digest
-    built = where / f"{name}.so"
-    try:
-        if built.is_file():                   # built by an earlier process: loaded as it is (the builder's own
-            torch.ops.load_library(str(built))    # up-to-date check costs seconds)
-            return hasattr(torch.ops.kvflow, "paged_decode")
-        from torch.utils.cpp_extension import load
-        where.mkdir(parents=True, exist_ok=True)
-        log.warning("building the paged decode attention op (once per machine, ~25 s) in %s", where)
-        load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
-             extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False, verbose=False)
-        return hasattr(torch.ops.kvflow, "paged_decode")
-    except (OSError, RuntimeError, ImportError, SystemExit) as err:   # no compiler, no headers, a failed build
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        _state["error"] = first
-        log.warning("paged decode attention op not built (%s): decodes are attended over copies", first)
-        return False
+    """Whether the op is on (``$KVFLOW_DECODE_ATTENTION``) and the native library loaded (built now if not yet)."""
+    return env_choice("KVFLOW_DECODE_ATTENTION", MODES) == "native" and native.loaded()
 
 
 def attend(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
@@ -105,7 +50,3 @@ def attend(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, length
     """
     return torch.ops.kvflow.paged_decode(q.contiguous(), kv_layer, tables, lengths, block_size, scale, window or 0)
 
-
-def build() -> str:
-    """Build (or load) the op now and say so in one line: ``make setup`` runs it, so no request waits for a build."""
-    return "paged decode attention op: " + ("ready" if available() else f"not built ({_state.get('error')})")

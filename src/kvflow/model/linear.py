@@ -39,6 +39,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from kvflow import native
 from kvflow.config import env_choice
 
 log = logging.getLogger(__name__)
@@ -117,13 +118,18 @@ class PackedGatedMLP:
 
     def __init__(self, mlp: torch.nn.Module):
         self.mlp, self.packed = mlp, PackedWeight()
+        # SiLU(gate) * up as one native op (native.py) where the library is built; the probe checks it all the same
+        self.silu_mul = type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation") and native.loaded()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.mlp
         gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
         if not host_fp32(gate, up, x):
             return type(mlp).forward(mlp, x)
-        g, u = packed(x, self.packed.of(gate, up), None).split(gate.shape[0], dim=-1)
+        gu = packed(x, self.packed.of(gate, up), None)
+        if self.silu_mul:
+            return mlp.down_proj(torch.ops.kvflow.silu_mul(gu))
+        g, u = gu.split(gate.shape[0], dim=-1)
         return mlp.down_proj(mlp.act_fn(g) * u)
 
     def __deepcopy__(self, memo):

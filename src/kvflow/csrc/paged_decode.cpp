@@ -14,90 +14,15 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-// The three inner loops — q . k, the softmax's exp, o += p v — in AVX2 + FMA where the build has them (the module
-// builds with them when the CPU reports them), else in plain C++.
-
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
-#endif
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t d = 0;
-  float sum = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (; d + 16 <= n; d += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
-  }
-  for (; d + 8 <= n; d += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
-  sum = hsum(_mm256_add_ps(acc0, acc1));
-#endif
-  for (; d < n; ++d) sum += a[d] * b[d];
-  return sum;
-}
-
-inline void axpy(float p, const float* v, float* o, int64_t n) {     // o += p * v
-  int64_t d = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 pv = _mm256_set1_ps(p);
-  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
-#endif
-  for (; d < n; ++d) o[d] += p * v[d];
-}
-
-// exp(x) for x <= 0 (a softmax's shifted scores): 2^(x log2 e) = 2^n * 2^f with n = round, |f| <= 1/2, and 2^f by
-// its degree-7 Taylor polynomial (relative error < 2e-7, about one float ulp); below -87 (2^-126) it is 0, where
-// std::exp would give a denormal a softmax cannot use.
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kPoly[8] = {1.5252733804059840e-05f, 1.5403530393381609e-04f, 1.3333558146428443e-03f,
-                            9.6181291076284772e-03f, 5.5504108664821580e-02f, 2.4022650695910071e-01f,
-                            6.9314718055994531e-01f, 1.f};
-
-inline float exp_nonpositive(float x) {
-  const float y = std::max(x * kLog2e, -126.f);
-  const float n = std::nearbyint(y), f = y - n;
-  float r = kPoly[0];
-  for (int i = 1; i < 8; ++i) r = r * f + kPoly[i];
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.f ? 0.f : r * scale;
-}
-
-inline void exp_row(float* row, int64_t n) {                        // row[t] = exp_nonpositive(row[t])
-  int64_t t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 log2e = _mm256_set1_ps(kLog2e), floor = _mm256_set1_ps(-126.f), cut = _mm256_set1_ps(-87.f);
-  for (; t + 8 <= n; t += 8) {
-    const __m256 x = _mm256_loadu_ps(row + t);
-    const __m256 y = _mm256_max_ps(_mm256_mul_ps(x, log2e), floor);
-    const __m256 k = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(y, k);
-    __m256 r = _mm256_set1_ps(kPoly[0]);
-    for (int i = 1; i < 8; ++i) r = _mm256_fmadd_ps(r, f, _mm256_set1_ps(kPoly[i]));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    r = _mm256_mul_ps(r, _mm256_castsi256_ps(bits));
-    _mm256_storeu_ps(row + t, _mm256_andnot_ps(_mm256_cmp_ps(x, cut, _CMP_LT_OQ), r));
-  }
-#endif
-  for (; t < n; ++t) row[t] = exp_nonpositive(row[t]);
-}
+using kvflow::axpy;
+using kvflow::dot;
+using kvflow::exp_row;
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                         const at::Tensor& lengths, int64_t block_size, double scale, int64_t window) {
@@ -173,7 +98,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, const at::Ten
 
 }  // namespace
 
-TORCH_LIBRARY(kvflow, m) {
+TORCH_LIBRARY_FRAGMENT(kvflow, m) {
   m.def("paged_decode(Tensor q, Tensor kv, Tensor tables, Tensor lengths, int block_size, float scale, "
         "int window) -> Tensor");
 }
