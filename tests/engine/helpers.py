@@ -1,3 +1,5 @@
+import copy
+
 import torch
 
 from kvflow.cost import CostModel
@@ -10,11 +12,16 @@ def ids(n: int, seed: int) -> list[int]:
 _REFERENCE: dict = {}
 
 
-def hf_greedy(runner, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' own greedy decoding: the ground truth for every engine output (memoised per model)."""
-    key = (runner.fingerprint, tuple(prompt), max_tokens)
+def hf_greedy(runner, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """transformers' own greedy decoding: the ground truth for every engine output (memoised per model). With
+    ``ignore_eos`` it does what a request with ``ignore_eos`` does: an eos token is a token like any other."""
+    key = (runner.fingerprint, tuple(prompt), max_tokens, ignore_eos)
     if key not in _REFERENCE:
-        out = runner.hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens)
+        config = copy.deepcopy(runner.hf_model.generation_config)
+        if ignore_eos:
+            config.eos_token_id = None
+        out = runner.hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
+                                       generation_config=config)
         _REFERENCE[key] = out[0, len(prompt):].tolist()
     return list(_REFERENCE[key])
 

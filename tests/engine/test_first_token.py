@@ -42,7 +42,7 @@ def test_a_first_token_swaps_a_decoder_out_and_every_token_still_equals_generate
     (a, b), (ta, tb), (_, first_b), (last_a, _) = late_arrival(eng)
     assert eng.stats.swaps == 1
     assert first_b < last_a                       # B's first token came before A's answer ended
-    assert ta == hf_greedy(tiny, a, 30) and tb == hf_greedy(tiny, b, 4)
+    assert ta == hf_greedy(tiny, a, 30, ignore_eos=True) and tb == hf_greedy(tiny, b, 4, ignore_eos=True)
     assert eng.pool.counters["restores"] >= 1     # A came back through the pool
     eng.close()
 
@@ -51,7 +51,7 @@ def test_fcfs_makes_the_late_request_wait_for_the_decoder_to_finish(tiny):
     eng = engine(tiny, "fcfs")
     (a, b), (ta, tb), (_, first_b), (last_a, _) = late_arrival(eng)
     assert eng.stats.swaps == 0 and first_b > last_a
-    assert ta == hf_greedy(tiny, a, 30) and tb == hf_greedy(tiny, b, 4)
+    assert ta == hf_greedy(tiny, a, 30, ignore_eos=True) and tb == hf_greedy(tiny, b, 4, ignore_eos=True)
     eng.close()
 
 
@@ -74,7 +74,7 @@ def test_a_sequence_is_swapped_at_most_max_swaps_times(tiny, policy):
     eng = engine(tiny, policy, max_swaps=0)
     (a, b), (ta, tb), _, _ = late_arrival(eng)
     assert eng.stats.swaps == 0
-    assert ta == hf_greedy(tiny, a, 30) and tb == hf_greedy(tiny, b, 4)
+    assert ta == hf_greedy(tiny, a, 30, ignore_eos=True) and tb == hf_greedy(tiny, b, 4, ignore_eos=True)
     eng.close()
 
 
@@ -106,6 +106,7 @@ def test_any_arrivals_under_a_tight_budget_swap_and_still_give_generates_tokens(
         for out in eng.step():
             tokens.setdefault(out.seq_id, []).extend(out.new_token_ids)
         step += 1
-    assert [tokens[added[i]] for i in range(len(prompts))] == [hf_greedy(tiny, p, max_tokens) for p in prompts]
+    assert [tokens[added[i]] for i in range(len(prompts))] == [hf_greedy(tiny, p, max_tokens, ignore_eos=True)
+                                                                    for p in prompts]
     assert eng.blocks.num_free == eng.num_blocks
     eng.close()

@@ -241,9 +241,12 @@ class LLMEngine:
             items.append(StepItem(seq.block_table, s.start, seq.token_ids[s.start:end], end == seq.num_tokens))
             if end == seq.num_tokens:
                 sampled.append(seq)
+        greedy: dict[int, int] = {}
         if items:
             step_logits = self.batch_runner.execute(items)
             logits.update((seq.seq_id, row) for seq, row in zip(sampled, step_logits))
+            if any(seq.params.greedy for seq in sampled):       # one argmax for the step's rows, not one per row
+                greedy = dict(zip((seq.seq_id for seq in sampled), step_logits.argmax(-1).tolist()))
             computed = sum(len(it.token_ids) for it in items)
             self.stats.computed_tokens += computed
             if self.config.holds_to_live_set and computed >= TRIM_TOKENS:    # each large step starts from the
@@ -258,7 +261,7 @@ class LLMEngine:
             seq.pool_restore = 0
             self.blocks.commit(seq)
             if seq.seq_id in logits and seq.num_computed == seq.num_tokens:
-                outputs.append(self._next_token(seq, logits[seq.seq_id]))
+                outputs.append(self._next_token(seq, logits[seq.seq_id], greedy.get(seq.seq_id)))
         return outputs
 
     def _count_hit(self, seq: Sequence) -> None:
@@ -333,11 +336,13 @@ class LLMEngine:
             logits[seq.seq_id] = res.logits if end == seq.num_tokens else None   # None: restored, not sampled yet
             seq.pool_restore = 0
 
-    def _next_token(self, seq: Sequence, logits) -> RequestOutput:
-        """Sample and append ``seq``'s next token. What fails here is this request's own (its sampling, its stop
-        strings, its text): it ends alone with finish_reason "error", the step's other requests go on."""
+    def _next_token(self, seq: Sequence, logits, best: int | None = None) -> RequestOutput:
+        """Sample and append ``seq``'s next token (``best``: the logits' argmax, computed with the step's other rows,
+        which greedy sampling picks). What fails here is this request's own (its sampling, its stop strings, its
+        text): it ends alone with finish_reason "error", the step's other requests go on."""
         try:
-            return self._append(seq, sample(logits, seq.params, seq.generator))
+            token = best if best is not None and seq.params.greedy else sample(logits, seq.params, seq.generator)
+            return self._append(seq, token)
         except Exception as err:
             log.exception("request %d failed inside a step; the others go on", seq.seq_id)
             seq.finish_reason = "error"
