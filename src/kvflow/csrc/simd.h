@@ -20,6 +20,13 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
+
+// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums at once (three rounds of pairwise adds).
+inline __m256 hsum8(const __m256* a) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
 #endif
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -80,12 +87,42 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
-inline void exp_row(float* row, int64_t n) {                        // row[t] = exp(row[t]), in place
+inline float max_row(const float* row, int64_t n) {                 // max of row[0 .. n), n >= 1
   int64_t t = 0;
+  float top = row[0];
 #ifdef KVFLOW_AVX2
-  for (; t + 8 <= n; t += 8) _mm256_storeu_ps(row + t, exp8(_mm256_loadu_ps(row + t)));
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(row);
+    for (t = 8; t + 8 <= n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(row + t));
+    __m128 r = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+    top = _mm_cvtss_f32(_mm_max_ss(r, _mm_shuffle_ps(r, r, 1)));
+  }
 #endif
-  for (; t < n; ++t) row[t] = exp1(row[t]);
+  for (; t < n; ++t) top = std::max(top, row[t]);
+  return top;
+}
+
+inline float exp_sum_row(float* row, int64_t n, float shift) {      // row[t] = exp(row[t] - shift); their sum
+  int64_t t = 0;
+  float sum = 0.f;
+#ifdef KVFLOW_AVX2
+  const __m256 sh = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + t), sh));
+    _mm256_storeu_ps(row + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; t < n; ++t) sum += (row[t] = exp1(row[t] - shift));
+  return sum;
+}
+
+inline void softmax_row(float* row, int64_t n) {                    // in place, n >= 1
+  const float inv = 1.f / exp_sum_row(row, n, max_row(row, n));
+  for (int64_t t = 0; t < n; ++t) row[t] *= inv;
 }
 
 }  // namespace kvflow

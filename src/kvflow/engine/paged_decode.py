@@ -4,22 +4,25 @@ Without it, a step's decodes are attended by copying their K/V out of the blocks
 group's longest and one masked SDPA call for short decodes, attention.DecodeGroup; ``one_query``'s two matmuls for
 long ones, over views where the blocks are consecutive): every key is read twice and written once. The op takes the
 step's queries, one layer of the cache and the decodes' block tables and reads each key's K once for the query
-heads' scores and each V once for their weighted sum, over torch's own thread pool; a work item is a sequence (each
-key's row of all KV heads read as one run) or, when there are too few sequences to keep the threads busy, one KV
-head of one. Per layer, smollm2-135m's shape (9 query / 3 KV heads of 64), consecutive blocks, the 2-vCPU box (noisy:
-one run each):
+heads' scores and each V once for their weighted sum, over torch's own thread pool; a work item is a sequence or,
+when there are too few sequences to keep the threads busy, one KV head of one. Within an item the keys go in tiles
+of 64 (a tile's rows come from memory once, then from the caches for every head), scores eight keys at a time, and a
+query head's output stays in registers over a tile. Per layer, smollm2-135m's shape (9 query / 3 KV heads of 64),
+consecutive blocks, the 2-vCPU box (one run each; the keys are cache-warm here, in an engine they come from memory:
+32 x 300 keys took 0.4 ms here and 0.9 ms a layer in an engine's step):
 
     decodes x keys     in place     one_query over views     one_query over copies
-    8 x 1,000           1.1 ms            3.1 ms                   3.9 ms
-    8 x 4,000           4.6 ms           11.6 ms                  14.3 ms
-    4 x 16,000          7.4 ms           26.6 ms                  33.9 ms
-    1 x 4,000           1.0 ms            1.0 ms                   2.0 ms
-    1 x 16,000          8.5 ms            7.0 ms                  11.0 ms
-    1 x 32,000         19.8 ms           21.4 ms                  51.8 ms
+    8 x 1,000           0.4 ms            2.0 ms                   4.9 ms
+    8 x 4,000           3.1 ms           10.0 ms                  24.4 ms
+    4 x 16,000          6.5 ms           23.8 ms                  54.0 ms
+    1 x 4,000           0.3 ms            0.7 ms                   1.0 ms
+    1 x 16,000          1.7 ms            5.7 ms                   7.9 ms
+    1 x 32,000          4.6 ms           16.5 ms                  40.7 ms
 
-and in an engine, decode steps of smollm2-135m alternated with the grouped copy + SDPA (256-token prompts, p50 of
-25): 92 against 113 ms at 8 sequences, 192 against 251 ms at 32; a tie at 1. So every decode of a step goes through
-it. Results differ from SDPA's by summation order (~3e-7).
+The first kernel took one horizontal sum per (key, query head) and scalar softmax loops: 2.5-4x slower (32 x 290
+keys 1.0 ms, 1 x 16,000 8.5 ms). In an engine, decode steps of smollm2-135m alternated with the grouped copy + SDPA
+(256-token prompts, p50 of 25): 43 against 47 ms at 1 sequence, 69 against 86 at 8, 125 against 161 at 32. So every
+decode of a step goes through it. Results differ from SDPA's by summation order (~3e-7).
 
 It is part of kvflow's native library (native.py: built once per machine by ``make setup``, AVX2 and FMA where the
 CPU reports them). Where that cannot be built or ``$KVFLOW_DECODE_ATTENTION=torch`` the engine keeps the copy + SDPA
