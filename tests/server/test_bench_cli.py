@@ -2,6 +2,7 @@
 are one error line and exit 2."""
 
 import json
+import time
 
 import pytest
 
@@ -20,11 +21,15 @@ def test_bench_decode_reports_the_same_tokens_batched_and_alone(tmp_path, capsys
 
 def test_bench_decode_against_a_peer_reports_kvflow_over_the_peer_per_round_median_and_spread():
     from kvflow.bench.decode_peer import _row
-    ours = [{"tpot_s": 0.10, "tok_s": 40.0}, {"tpot_s": 0.12, "tok_s": 30.0}, {"tpot_s": 0.30, "tok_s": 10.0}]
-    theirs = [{"tpot_s": 0.20, "tok_s": 20.0}, {"tpot_s": 0.10, "tok_s": 30.0}, {"tpot_s": 0.15, "tok_s": 20.0}]
+    ours = [{"tpot_s": 0.10, "tok_s": 40.0, "ttft_s": 1.0}, {"tpot_s": 0.12, "tok_s": 30.0, "ttft_s": 2.0},
+            {"tpot_s": 0.30, "tok_s": 10.0, "ttft_s": 3.0}]
+    theirs = [{"tpot_s": 0.20, "tok_s": 20.0, "ttft_s": 2.0}, {"tpot_s": 0.10, "tok_s": 30.0, "ttft_s": 2.0},
+              {"tpot_s": 0.15, "tok_s": 20.0, "ttft_s": 1.0}]
     row = _row(8, ours, theirs, "vllm")
     assert row["batch"] == 8 and row["kvflow_tpot_ms"] == pytest.approx(120) and row["vllm_tpot_ms"] == pytest.approx(150)
     assert row["tpot_ratio"] == pytest.approx(1.2) and row["tpot_ratio_spread"] == "0.50-2.00"   # 0.5, 1.2, 2.0
+    assert row["kvflow_ttft_ms"] == pytest.approx(2000) and row["ttft_ratio"] == pytest.approx(1.0)   # 0.5, 1, 3
+    assert row["ttft_ratio_spread"] == "0.50-3.00"
     assert row["tok_s_ratio"] == pytest.approx(1.0) and row["tok_s_ratio_spread"] == "0.50-2.00"  # 2, 1, 0.5
 
 
@@ -101,3 +106,19 @@ def test_the_chat_workload_defaults_to_vllms_multi_turn_shape_and_the_others_kee
         CHAT_SHAPE["rounds"], 1024, 128, 96, 2.0)
     assert ChatWorkload.of("chat", rounds=3).rounds == 3                  # a value given wins
     assert ChatWorkload.of("docqa", rounds=None).rounds == ChatWorkload().rounds
+
+
+def test_a_burst_waits_for_a_busy_server_to_go_idle_and_not_for_an_idle_one():
+    import subprocess
+    import sys
+
+    from kvflow.stats import wait_idle
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.2\nwhile time.time() < end: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.3)                                          # both started (an interpreter's start is busy too)
+        assert wait_idle([idle.pid], timeout_s=5) < 1.0
+        assert 0.5 <= wait_idle([busy.pid, idle.pid], timeout_s=5) < 4.0    # until the busy one's loop ends
+    finally:
+        busy.kill()
+        idle.kill()

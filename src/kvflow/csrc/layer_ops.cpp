@@ -3,8 +3,8 @@
 //   rms_norm(x [.., N], w [N], eps)              x / sqrt(mean(x^2) + eps) * w, row by row
 //   add_rms_norm(x, y, w, eps) -> (s, n)         s = x + y (the residual), n = rms_norm(s, w, eps)
 //   rotary_(x [T, H, D], cos [T, D], sin [T, D], heads)
-//                                                in place, heads [0, heads) of each row: x * cos + rotate_half(x) * sin,
-//                                                rotate_half(x) = (-x[D/2:], x[:D/2]) (Llama's, NeoX's layout)
+//                                                in place, heads [0, heads) of each row: x * cos + rotate_half(x) *
+//                                                sin, rotate_half(x) = (-x[D/2:], x[:D/2]) (Llama's, NeoX's layout)
 //   silu_mul(gu [.., 2I]) -> [.., I]             silu(gu[.., :I]) * gu[.., I:] (a gated MLP's packed gate|up)
 //
 // All fp32 on the host. Rows go over torch's thread pool only when there are enough of them to pay for waking it

@@ -22,7 +22,8 @@
 
 namespace {
 
-// Scores of g query heads q [g, D] against n keys (key t's D floats at rows[t] + off): s[j * ld + t] = scale * q_j . k_t.
+// Scores of g query heads q [g, D] against n keys (key t's D floats at rows[t] + off):
+// s[j * ld + t] = scale * q_j . k_t.
 // With AVX2, eight keys at a time: one accumulator per key over D, the eight reduced together (hsum8) — a horizontal
 // sum per dot was most of the op's time.
 void scores(const float* q, int64_t g, const float* const* rows, int64_t off, int64_t n, int64_t D, float scale,

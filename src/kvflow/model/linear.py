@@ -27,8 +27,10 @@ costs a second copy of the packed weights: skipped when that copy would take mor
 A gated MLP (``down(act(gate(x)) * up(x))``, Llama's and Qwen's) packs its gate and up projections as one weight
 [gate; up] and makes one call where it made two: smollm2-135m's 2 x (1536 x 576) took 143 -> 92 us at 1 row, 259 ->
 205 us at 8, 10.1 -> 8.9 ms at 512 (one call each, best of five). The packed copy is the same bytes as packing the two
-apart. An MLP is fused only where its output on a probe input matches its own forward (within 1e-5 of its largest
-value), so an MLP of another shape of computation keeps its own forward (its projections packed one by one).
+apart. Where the activation is SiLU and kvflow's native library is built (native.py), SiLU(gate) * up is one op on
+the packed output instead of a split, a SiLU and a product. An MLP is fused only where its output on a probe input
+matches its own forward (within 1e-5 of its largest value), so an MLP of another shape of computation keeps its own
+forward (its projections packed one by one).
 """
 
 from __future__ import annotations
