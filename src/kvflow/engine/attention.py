@@ -8,8 +8,9 @@ attention once per sequence on that sequence's slice of the queries and that seq
 paged cache just before (and freed just after; views of the cache, no copy, where the sequence's blocks are
 consecutive ids): a step never holds more than one sequence's gathered K/V of one layer, however many sequences it
 batches — which is what bounds the activation reserve (reserve.py) by the
-longest sequence, not by the batch. Without ``kvflow_segments`` it is transformers' own ``sdpa`` (same function,
-same arguments).
+longest sequence, not by the batch. A prompt's first chunk (from position 0) attends the step's own new K/V and
+gathers nothing, where the cache stores them at their width. Each result is written at its rows of one output
+buffer. Without ``kvflow_segments`` it is transformers' own ``sdpa`` (same function, same arguments).
 
 A chunk that continues its sequence on the CPU (no window) runs as prefix + causal diagonal block, merged by
 log-sum-exp (``model/attention.py``, shared with the model runner's chunked prefills): no mask is built.
