@@ -2,7 +2,6 @@
 are one error line and exit 2."""
 
 import json
-import time
 
 import pytest
 
@@ -108,17 +107,23 @@ def test_the_chat_workload_defaults_to_vllms_multi_turn_shape_and_the_others_kee
     assert ChatWorkload.of("docqa", rounds=None).rounds == ChatWorkload().rounds
 
 
-def test_a_burst_waits_for_a_busy_server_to_go_idle_and_not_for_an_idle_one():
-    import subprocess
-    import sys
+def test_a_burst_waits_for_the_servers_to_go_idle_and_gives_up_at_its_timeout(monkeypatch):
+    """wait_idle on scripted CPU counters and a scripted clock: no real time is read or slept."""
+    from types import SimpleNamespace
 
-    from kvflow.stats import wait_idle
-    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.2\nwhile time.time() < end: pass"])
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        time.sleep(0.3)                                          # both started (an interpreter's start is busy too)
-        assert wait_idle([idle.pid], timeout_s=5) < 1.0
-        assert 0.5 <= wait_idle([busy.pid, idle.pid], timeout_s=5) < 4.0    # until the busy one's loop ends
-    finally:
-        busy.kill()
-        idle.kill()
+    from kvflow import stats
+
+    clock = [0.0]                           # stats' own clock only (the time module itself is left alone)
+    monkeypatch.setattr(stats, "time", SimpleNamespace(monotonic=lambda: clock[0],
+                                                       sleep=lambda s: clock.__setitem__(0, clock[0] + s)))
+
+    def windows_busy(n: int):               # the processes use a whole core for n windows, then nothing
+        monkeypatch.setattr(stats, "cpu_seconds", lambda pid: min(clock[0], n * 0.25) / 2)   # two pids: half each
+
+    for busy, waited in ((0, 0.25), (3, 1.0)):
+        clock[0] = 0.0
+        windows_busy(busy)
+        assert stats.wait_idle([1, 2], window_s=0.25, timeout_s=10) == pytest.approx(waited)
+    clock[0] = 0.0
+    windows_busy(1000)                                                       # never idle: the timeout ends it
+    assert stats.wait_idle([1, 2], window_s=0.25, timeout_s=2) == pytest.approx(2.0)
