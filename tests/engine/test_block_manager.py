@@ -64,6 +64,25 @@ def test_random_allocations_and_frees_keep_every_invariant(ops):
             else:
                 s.token_ids.pop()
         check_invariants(bm, live)
+        for s in [*live, seq(-1, prefixes[which][:length])]:     # kept hashes match as hashing the tokens does
+            assert bm.match(s) == bm.match_prefix(s.token_ids)
+
+
+def test_the_version_moves_when_a_prefix_is_cached_or_evicted_and_only_then():
+    bm = BlockManager(4, BS)
+    a = seq(0, range(9))
+    bm.allocate(a)
+    v = bm.version
+    a.num_computed = 4
+    bm.commit(a)
+    assert bm.version == v + 1                   # one block became a cached prefix
+    bm.commit(a)
+    assert bm.version == v + 1                   # nothing new
+    bm.free_seq(a)
+    assert bm.version == v + 1                   # freed, still cached
+    b = seq(1, [9] * 16)
+    bm.allocate(b)                               # takes every block: the cached one is evicted
+    assert bm.version == v + 2 and bm.match(seq(2, range(9))) == ([], [])
 
 
 def test_a_freed_prefix_stays_cached_and_is_hit_again():

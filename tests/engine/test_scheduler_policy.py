@@ -23,13 +23,14 @@ class Arrival:
 
 
 def run_queue(policy: str, arrivals: list[Arrival], budget: int = 256, num_blocks: int = 4096, factor: float = 4.0,
-              pool_lookup=None, work=None, max_steps: int = 10_000, trace: list | None = None):
+              pool_lookup=None, work=None, max_steps: int = 10_000, trace: list | None = None, caching: bool = False):
     """Drive a Scheduler as the engine does, without a model: a sequence whose KV is complete gets a token at that
     step. Returns (first-token step per request, the sequences, per step the decoders that went without a token);
-    ``trace`` gets the ids of the requests scheduled in each step."""
+    ``trace`` gets the ids of the requests scheduled in each step; ``caching``: prefix caching on, computed blocks
+    committed after each step (as the engine does)."""
     cfg = EngineConfig(block_size=16, max_num_batched_tokens=budget, scheduling_policy=policy,
-                       starvation_factor=factor, enable_prefix_caching=False)
-    sched = Scheduler(cfg, BlockManager(num_blocks, 16, False), pool_lookup, work=work)
+                       starvation_factor=factor, enable_prefix_caching=caching)
+    sched = Scheduler(cfg, BlockManager(num_blocks, 16, caching), pool_lookup, work=work)
     seqs = [Sequence(i, list(a.tokens or [i % 1000] * a.prompt), a.prompt,
                      SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)) for i, a in enumerate(arrivals)]
     first, skipped = {}, []
@@ -49,6 +50,7 @@ def run_queue(policy: str, arrivals: list[Arrival], budget: int = 256, num_block
             seq = s.seq
             seq.num_computed = s.start + s.num_tokens
             seq.pool_restore = 0
+            sched.blocks.commit(seq)
             if seq.num_computed == seq.num_tokens:
                 if seq.first_token_s is None:
                     seq.first_token_s = float(step)
@@ -171,3 +173,31 @@ def test_a_request_on_a_document_being_prefilled_waits_for_that_prefill_instead_
     _, seqs, _ = run_queue("remaining-work", arrivals, budget=1024, trace=steps)
     assert steps[0] == {0, 2}                                 # 2 admitted past 1, which waits for 0's prefill
     assert not any({0, 1} <= ids for ids in steps) and all(s.finished for s in seqs)
+
+
+def test_a_request_whose_prefix_became_resident_while_it_waited_is_ranked_by_what_is_left():
+    """vLLM's prefix_repetition at the scheduler: a 2,048-token shared prefix, then a question on it every step. The
+    questions that arrive while the first one computes the prefix wait for it (skipped, not admitted); once it is
+    resident they need 48 tokens each, like every later question — and go before the later ones (arrival order
+    among equals), not behind them at the 2,096 tokens they would have needed when they arrived."""
+    prefix = list(range(2048))
+    arrivals = [Arrival(s, 2096, max_tokens=2, tokens=prefix + [3000 + s] * 48) for s in range(12)]
+    first, seqs, _ = run_queue("remaining-work", arrivals, budget=256, caching=True)
+    assert all(s.finished for s in seqs)
+    later = sorted(range(1, 12), key=lambda i: (first[i], i))
+    assert later == list(range(1, 12))              # first tokens in arrival order once the prefix is resident
+    assert [seqs[i].resident_hit_tokens for i in range(1, 12)] == [2048] * 11
+
+
+def test_a_waiting_request_is_not_passed_over_by_later_requests_of_about_its_size():
+    """Cold prompts of 330-345 tokens arriving one a step at a budget of 256: shortest-first alone hands every step
+    to the newest prompt that is a few tokens shorter than those waiting, and the 345-token one waits until it is
+    due. A request's passing allowance shrinks its rank as it is used, so a later prompt passes it only while it is
+    sufficiently shorter (here: never after its first steps) — and first tokens come in arrival order."""
+    arrivals = [Arrival(0, 345)] + [Arrival(s, 344 - s) for s in range(1, 14)]
+    first, seqs, _ = run_queue("remaining-work", arrivals, budget=256)
+    assert all(s.finished for s in seqs)
+    fcfs = waited(run_queue("fcfs", arrivals, budget=256)[0], arrivals)
+    mine = waited(first, arrivals)
+    assert mine[0] <= fcfs[0] + 1
+    assert max(m - f for m, f in zip(mine, fcfs)) <= 2

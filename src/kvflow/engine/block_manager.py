@@ -47,6 +47,7 @@ class BlockManager:
             i for i in range(num_blocks) if i not in self.offline)                    # front: evicted first
         self.cached: dict[bytes, int] = {}
         self.evictions = 0             # cached blocks taken for new data
+        self.version = 0               # + 1 whenever ``cached`` gains or loses a prefix (a cached match may change)
 
     # ------------------------------------------------------------------------------------------ facts
     @property
@@ -64,17 +65,38 @@ class BlockManager:
     def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
         """Block ids and hashes of the longest cached prefix — at most (len - 1) // block_size blocks, so at least
         one token is computed and gives the next-token logits."""
-        ids, hashes, parent, bs = [], [], None, self.block_size
         if not self.enable_caching:
-            return ids, hashes
+            return [], []
+        bs, hashes, parent = self.block_size, [], None
         for i in range((len(token_ids) - 1) // bs):
             parent = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
-            block = self.cached.get(parent)
+            if parent not in self.cached:
+                break
+            hashes.append(parent)
+        return [self.cached[h] for h in hashes], hashes
+
+    def match(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """``match_prefix(seq.token_ids)`` from the sequence's kept block hashes (``prompt_hashes``): dictionary
+        lookups only, so a waiting request's cached prefix can be re-read every step."""
+        if not self.enable_caching:
+            return [], []
+        ids, hashes = [], []
+        for h in self.prompt_hashes(seq):
+            block = self.cached.get(h)
             if block is None:
                 break
             ids.append(block)
-            hashes.append(parent)
+            hashes.append(h)
         return ids, hashes
+
+    def prompt_hashes(self, seq: Sequence) -> list[bytes]:
+        """Chained hashes of ``seq``'s first (len - 1) // block_size blocks, kept on the sequence and extended as
+        its tokens grow (a sequence's tokens are only ever appended)."""
+        kept, bs = seq.prefix_hashes, self.block_size
+        limit = (seq.num_tokens - 1) // bs
+        for i in range(len(kept), limit):
+            kept.append(chain_hash(kept[-1] if kept else None, seq.token_ids[i * bs:(i + 1) * bs]))
+        return kept if len(kept) == limit else kept[:limit]
 
     def needed(self, seq: Sequence, hits: list[int]) -> int:
         """Free blocks ``allocate(seq)`` takes, given its cached prefix ``hits`` (``match_prefix``)."""
@@ -82,7 +104,7 @@ class BlockManager:
         return self.blocks_for(seq.num_tokens) - len(hits) + revived
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return self.needed(seq, self.match_prefix(seq.token_ids)[0]) <= len(self.free)
+        return self.needed(seq, self.match(seq)[0]) <= len(self.free)
 
     def freed_by(self, seq: Sequence, keep: list[int] = ()) -> int:
         """Blocks that ``free_seq(seq)`` would put in the free queue (held by no other table), ``keep`` aside."""
@@ -93,7 +115,7 @@ class BlockManager:
         """Blocks for all of ``seq``'s tokens: the cached prefix shared, the rest new. Returns the hit tokens (the
         caller sets ``seq.num_computed``)."""
         assert not seq.block_table
-        hits, hashes = self.match_prefix(seq.token_ids)
+        hits, hashes = self.match(seq)
         assert self.needed(seq, hits) <= len(self.free), "allocate() without can_allocate()"
         for b in hits:
             block = self.blocks[b]
@@ -114,15 +136,17 @@ class BlockManager:
 
     def commit(self, seq: Sequence) -> None:
         """Hash and register the blocks that became full and computed."""
-        bs = self.block_size
+        bs, kept = self.block_size, seq.prefix_hashes
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed:
             i = len(seq.block_hashes)
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, seq.token_ids[i * bs:(i + 1) * bs])
+            h = kept[i] if i < len(kept) else chain_hash(seq.block_hashes[-1] if seq.block_hashes else None,
+                                                         seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if self.enable_caching and block.hash is None and h not in self.cached:
                 block.hash = h
                 self.cached[h] = block.block_id
+                self.version += 1
 
     def free_seq(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, tail first (so a shared prefix outlives the tails in the LRU order)."""
@@ -182,6 +206,7 @@ class BlockManager:
             return False
         if self.cached.get(block.hash) == block.block_id:
             del self.cached[block.hash]
+            self.version += 1
         block.hash = None
         return True
 

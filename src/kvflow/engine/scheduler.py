@@ -32,10 +32,16 @@ prompts still prefilling and waiting requests — are served in rank order, each
 (a short prompt's chunk goes before a long one's, which takes the rest; a waiting one is admitted when it is reached
 and its blocks fit, and nobody is admitted past one that does not fit)::
 
-    rank   due (passed over too long), by arrival  <  work to first token, smallest first  <  has a token, by arrival
+    rank   due (passed over too long), by arrival  <  work to first token, aged, by its power of two, smallest
+           first, then by arrival  <  has a token, by arrival
     work   waiting:  a pool hit s over resident r: the planner's predicted restore of [0, s) + prefill of the rest
                      otherwise: the cost model's prefill of [r, n)          (no pool, no cost model: n - r tokens)
            running:  prefill of what is left, [num_computed, n)
+
+A waiting request's resident hit is matched again whenever the cached blocks changed (BlockManager.version; a
+match is dictionary lookups of hashes kept on the sequence), so a request that arrived while another computed its
+prefix ranks by the ~50 tokens left once that prefix is resident, not by the whole prompt it saw at arrival; its
+pool hit is looked up once per wait.
 
 A decoder is swapped for the head only when the head's prefill takes fewer steps than the decoder has tokens left
 to generate (at most ``max_tokens``): a follow-up on a cached history displaces a long answer, a cold 32K-token
@@ -47,6 +53,12 @@ A waiting request whose prompt continues past what a running prompt has computed
 that prefill runs: it would compute the same KV a second time, and once the prefill's blocks are committed it
 finds them resident (or in the pool). It is skipped, not a barrier: requests ranked after it are still admitted.
 
+Work is compared in powers of two: prompts within about a factor of two of each other keep their arrival order
+(shortest-first on exact figures hands every step to the newest prompt a few tokens shorter than those waiting,
+and a waiting one is passed over until it is due). Aged: a request's work counts as w x (1 - p / A), where p is
+what later arrivals have been given before it and A = (F - 1) x its uncached tokens, its allowance below; so it
+moves up a power of two as the allowance is used, and reaches the front, due, when it is spent.
+
 Starvation is bounded by ``starvation_factor`` F: a request is *due* once the prefill tokens given to requests that
 arrived after it (while it had no token) reach (F - 1) x its uncached tokens; due requests go first, oldest first.
 So at most (F - 1) x its own work goes to later arrivals before it; the rest of what precedes it arrived earlier, and
@@ -56,6 +68,7 @@ steps plus two (tests/engine/test_scheduler_policy.py checks it on random queues
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -82,6 +95,12 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
+
+
+def magnitude(work: float) -> int:
+    """The power of two ``work`` is in: requests within about a factor of two of each other rank as equals (then by
+    arrival), so a later prompt a few tokens shorter does not pass a waiting one."""
+    return math.frexp(work)[1] if work > 0 else -1_000_000
 
 
 class Scheduler:
@@ -159,7 +178,7 @@ class Scheduler:
         if not bm.can_allocate(seq):
             return False
         if not self.config.chunked_prefill:
-            hit = len(bm.match_prefix(seq.token_ids)[0]) * bm.block_size
+            hit = len(bm.match(seq)[0]) * bm.block_size
             if seq.num_tokens - max(hit, self._stored(seq)) > budget:
                 return False
         self.waiting.remove(seq)
@@ -226,19 +245,29 @@ class Scheduler:
         then sequences that already have a token (swapped or preempted decoders) by arrival."""
         if seq.first_token_s is not None:
             return (2, 0.0, seq.seq_id)
-        if seq.work is None:                       # waiting, not estimated since it arrived or was preempted
-            resident = len(self.blocks.match_prefix(seq.token_ids)[0]) * self.blocks.block_size
-            stored = self._stored(seq)
-            stored = stored if stored >= resident + self.config.pool_min_tokens else 0
-            seq.work = self.work(seq.num_tokens, resident, stored)
-            seq.hit_tokens = max(resident, stored)
-            if seq.work_tokens < 0:                # the aging threshold: its uncached tokens when first seen
-                seq.work_tokens = seq.num_tokens - max(resident, stored)
-        if seq.passed_over >= (self.config.starvation_factor - 1) * seq.work_tokens:
+        if seq.status is not Status.RUNNING and (seq.work is None or seq.ranked_at != self.blocks.version):
+            self._estimate(seq)
+        allowance = (self.config.starvation_factor - 1) * seq.work_tokens
+        if seq.passed_over >= allowance:
             return (0, 0.0, seq.seq_id)
-        if seq.status is Status.RUNNING:
-            return (1, self.work(seq.num_tokens, seq.num_computed, 0), seq.seq_id)
-        return (1, seq.work, seq.seq_id)
+        work = self.work(seq.num_tokens, seq.num_computed, 0) if seq.status is Status.RUNNING else seq.work
+        return (1, magnitude(work * (1 - seq.passed_over / allowance)), seq.seq_id)
+
+    def _estimate(self, seq: Sequence) -> None:
+        """A waiting request's predicted work to its first token, from its cached prefix now: resident blocks are
+        matched again whenever the cached set changed (a prefix a running prompt computed while it waited makes it a
+        short request), its pool hit is looked up once per wait. The aging threshold keeps its first estimate."""
+        resident = len(self.blocks.match(seq)[0]) * self.blocks.block_size
+        seq.ranked_at = self.blocks.version
+        if seq.work is None:
+            seq.stored_tokens = self._stored(seq)
+        elif resident == seq.resident_tokens:
+            return                                 # the same hit: the same prediction
+        stored = seq.stored_tokens if seq.stored_tokens >= resident + self.config.pool_min_tokens else 0
+        seq.work = self.work(seq.num_tokens, resident, stored)
+        seq.resident_tokens, seq.hit_tokens = resident, max(resident, stored)
+        if seq.work_tokens < 0:                    # the aging threshold: its uncached tokens when first seen
+            seq.work_tokens = seq.num_tokens - seq.hit_tokens
 
     def _waits_for_a_prefill(self, seq: Sequence) -> bool:
         """remaining-work: waiting ``seq`` shares a running prompt's tokens at least one block past what that prompt
@@ -274,7 +303,7 @@ class Scheduler:
         head = self._first_without_token() if self.pool_lookup is not None else None
         if head is None:
             return
-        hits = bm.match_prefix(head.token_ids)[0]
+        hits = bm.match(head)[0]
         needed = bm.needed(head, hits)
         if needed <= bm.num_free:
             return

@@ -30,6 +30,7 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)   # chained hashes of the full, computed blocks
+    prefix_hashes: list[bytes] = field(default_factory=list)  # ... of its tokens' full blocks (BlockManager.match)
     num_computed: int = 0
     resident_hit_tokens: int = 0     # prompt tokens whose KV came from resident blocks (first admission)
     pool_hit_tokens: int = 0         # ... restored from the pool
@@ -40,7 +41,10 @@ class Sequence:
     num_swaps: int = 0                # ... swapped out for another request's first token (first-token policy)
     work: float | None = None         # remaining-work policy: predicted work to its first token (None: not ranked yet)
     work_tokens: int = -1             # ... its uncached tokens when first ranked (the aging threshold's unit)
-    hit_tokens: int = 0               # ... its cached prefix (resident or pool) when ranked
+    hit_tokens: int = 0               # ... its cached prefix (resident or pool) when last ranked
+    resident_tokens: int = 0          # ... its resident hit when ``work`` was predicted
+    stored_tokens: int = 0            # ... its pool hit, looked up when first ranked (after a preemption: again)
+    ranked_at: int = -1               # ... the block manager's version when its resident hit was last matched
     passed_over: int = 0              # ... prefill tokens given to later arrivals while it had no token
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_text: str | None = None       # the stop string that ended it, if any
