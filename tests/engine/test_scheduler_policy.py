@@ -201,3 +201,32 @@ def test_a_waiting_request_is_not_passed_over_by_later_requests_of_about_its_siz
     mine = waited(first, arrivals)
     assert mine[0] <= fcfs[0] + 1
     assert max(m - f for m, f in zip(mine, fcfs)) <= 2
+
+
+def test_a_pool_hit_over_a_resident_prefix_is_restored_only_when_predicted_sooner_than_the_prefill_of_the_rest():
+    """A 352-token prompt whose first 288 tokens are resident and 320 are in the pool. A restoration rebuilds the
+    whole [0, 320): priced at 1 s, the 64-token prefill from the resident hit (64 ms) wins and nothing is restored;
+    priced at 10 ms, the restore wins. Under every policy (admission is one rule)."""
+    prompt = list(range(352))
+
+    def lookup(token_ids):
+        return 320 if len(token_ids) >= 320 else 0
+    for restore_s, expected in ((1.0, 0), (0.01, 320)):
+        def work(n, resident, stored):
+            return restore_s if stored else (n - resident) * 1e-3
+        for policy in ("remaining-work", "first-token", "fcfs"):
+            cfg = EngineConfig(block_size=16, max_num_batched_tokens=512, scheduling_policy=policy)
+            bm = BlockManager(64, 16, True)
+            sched = Scheduler(cfg, bm, lookup, work=work)
+            first = Sequence(0, prompt[:300], 300, SamplingParams(max_tokens=1))
+            sched.add(first)
+            sched.schedule()
+            first.num_computed = 300
+            bm.commit(first)                      # 18 blocks (288 tokens) resident
+            sched.finish(first)
+            seq = Sequence(1, prompt, 352, SamplingParams(max_tokens=1))
+            sched.add(seq)
+            out = sched.schedule()
+            assert [s.seq for s in out.scheduled] == [seq]
+            assert seq.num_computed == 288 and seq.pool_restore == expected
+            assert out.scheduled[0].start == (expected or 288)

@@ -34,7 +34,8 @@ and its blocks fit, and nobody is admitted past one that does not fit)::
 
     rank   due (passed over too long), by arrival  <  work to first token, aged, by its power of two, smallest
            first, then by arrival  <  has a token, by arrival
-    work   waiting:  a pool hit s over resident r: the planner's predicted restore of [0, s) + prefill of the rest
+    work   waiting:  a pool hit s over resident r whose restore is predicted sooner than the prefill of [r, n):
+                     the planner's predicted restore of [0, s) + prefill of the rest (admitted, it is restored)
                      otherwise: the cost model's prefill of [r, n)          (no pool, no cost model: n - r tokens)
            running:  prefill of what is left, [num_computed, n)
 
@@ -184,8 +185,7 @@ class Scheduler:
         self.waiting.remove(seq)
         hit = bm.allocate(seq)
         seq.num_computed = hit
-        stored = self._stored(seq)
-        seq.pool_restore = stored if stored >= hit + self.config.pool_min_tokens else 0
+        seq.pool_restore = self._restore_of(seq.num_tokens, hit, self._stored(seq))
         if not seq.admitted_once:
             seq.resident_hit_tokens, seq.pool_hit_tokens = hit, max(seq.pool_restore - hit, 0)
             seq.admitted_once = True
@@ -263,7 +263,7 @@ class Scheduler:
             seq.stored_tokens = self._stored(seq)
         elif resident == seq.resident_tokens:
             return                                 # the same hit: the same prediction
-        stored = seq.stored_tokens if seq.stored_tokens >= resident + self.config.pool_min_tokens else 0
+        stored = self._restore_of(seq.num_tokens, resident, seq.stored_tokens)
         seq.work = self.work(seq.num_tokens, resident, stored)
         seq.resident_tokens, seq.hit_tokens = resident, max(resident, stored)
         if seq.work_tokens < 0:                    # the aging threshold: its uncached tokens when first seen
@@ -339,6 +339,19 @@ class Scheduler:
     def _victim(self) -> Sequence:
         """The most recently admitted running sequence not being restored (the one asking is always a candidate)."""
         return next(s for s in reversed(self.running) if not s.restoring)
+
+    def _restore_of(self, num_tokens: int, resident: int, stored: int) -> int:
+        """The pool hit worth restoring: ``stored`` when it adds at least ``pool_min_tokens`` to the resident hit and,
+        where something is resident, the prediction (``work``: the planner's) has its restoration done before a
+        prefill from the resident hit; else 0. A restoration rebuilds the whole prefix [0, stored) (the planner
+        knows nothing of resident blocks), so a resident prefix that covers most of it — a swapped-out answer whose
+        shared document stayed resident — is continued by a prefill instead. With nothing resident the configured
+        strategy's plan decides how [0, stored) is rebuilt (cacheflow may recompute all of it)."""
+        if stored < resident + self.config.pool_min_tokens:
+            return 0
+        if resident and self.work(num_tokens, resident, stored) >= self.work(num_tokens, resident, 0):
+            return 0
+        return stored
 
     def _stored(self, seq: Sequence) -> int:
         """Tokens of ``seq``'s longest prefix in the pool, leaving at least one token to compute."""
