@@ -161,3 +161,22 @@ def test_an_engine_held_to_its_budget_keeps_no_staging_buffer_between_restores(t
     assert held.stats.requests_by_hit["pool"] == 1 and staging.allocated > 0
     assert staging.free_bytes == 0 and staging.outstanding == 0     # what the memory budget line does not count
     held.close()
+
+
+def test_a_restorations_predicted_time_is_planned_once_per_shape_until_the_calibration_moves(tiny, restorer):
+    from kvflow.engine.pool_tier import PoolTier
+    tier, plans = PoolTier(restorer), []
+    real = restorer.planner
+
+    def counting():
+        plans.append(1)
+        return real()
+    restorer.planner = counting
+    first = tier.predicted_s(200, 0, 128)
+    assert tier.predicted_s(200, 64, 128) == first and len(plans) == 1       # the plan ignores resident blocks
+    tier.predicted_s(300, 0, 256)
+    assert len(plans) == 2                                                   # another shape, another plan
+    restorer.calibration.compute_seen += 1                                   # a restoration was folded in
+    tier.predicted_s(200, 0, 128)
+    assert len(plans) == 3
+    assert tier.predicted_s(200, 100, 0) < tier.predicted_s(200, 0, 0) and len(plans) == 3   # prefills: no plan
