@@ -67,27 +67,30 @@ class BlockManager:
         one token is computed and gives the next-token logits."""
         if not self.enable_caching:
             return [], []
-        bs, hashes, parent = self.block_size, [], None
-        for i in range((len(token_ids) - 1) // bs):
-            parent = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
-            if parent not in self.cached:
-                break
-            hashes.append(parent)
-        return [self.cached[h] for h in hashes], hashes
+        bs = self.block_size
+
+        def chained():
+            parent = None
+            for i in range((len(token_ids) - 1) // bs):
+                parent = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+                yield parent
+        return self._longest_cached(chained())
 
     def match(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """``match_prefix(seq.token_ids)`` from the sequence's kept block hashes (``prompt_hashes``): dictionary
         lookups only, so a waiting request's cached prefix can be re-read every step."""
-        if not self.enable_caching:
-            return [], []
-        ids, hashes = [], []
-        for h in self.prompt_hashes(seq):
+        return self._longest_cached(self.prompt_hashes(seq)) if self.enable_caching else ([], [])
+
+    def _longest_cached(self, hashes) -> tuple[list[int], list[bytes]]:
+        """Block ids and hashes of the leading run of ``hashes`` (chained, lazily computed) that is cached."""
+        ids, hits = [], []
+        for h in hashes:
             block = self.cached.get(h)
             if block is None:
                 break
             ids.append(block)
-            hashes.append(h)
-        return ids, hashes
+            hits.append(h)
+        return ids, hits
 
     def prompt_hashes(self, seq: Sequence) -> list[bytes]:
         """Chained hashes of ``seq``'s first (len - 1) // block_size blocks, kept on the sequence and extended as
