@@ -1,5 +1,5 @@
-"""The pool is the tier below the resident blocks: a prefix not resident is restored from the pool by any strategy
-and the output still equals generate; finished and preempted sequences are stored asynchronously; a full write
+"""The pool is the tier below the resident blocks: a prefix not resident is loaded or restored from the pool by any
+strategy, the way predicted soonest, and the output still equals generate; finished and preempted sequences are stored asynchronously; a full write
 queue drops (and counts) writes instead of blocking the engine."""
 
 import threading
@@ -36,15 +36,42 @@ def test_a_finished_conversation_is_restored_from_the_pool_by_a_fresh_engine(tin
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_every_strategy_restores_pool_hits_exactly(tiny, restorer, strategy):
+@pytest.mark.parametrize("pool_load", [False, True])
+def test_every_strategy_continues_pool_hits_exactly(tiny, restorer, strategy, pool_load):
+    """pool_load off: every pool hit goes through the strategy's restoration. On: each goes the way predicted
+    soonest — on this memory pool a load, except under ``recompute``, which never loads."""
     restorer.store(ids(130, 3))
-    eng = engine(tiny, restorer, strategy=strategy, max_num_batched_tokens=24)
+    eng = engine(tiny, restorer, strategy=strategy, max_num_batched_tokens=24, pool_load=pool_load)
     prompts = [ids(130, 3) + ids(5, 4), ids(130, 3)[:70] + ids(2, 5)]          # 4 and 2 chunks stored
     outs = eng.generate(prompts, SamplingParams(max_tokens=5))
     assert [o.token_ids for o in outs] == [hf_greedy(tiny, p, 5) for p in prompts]
     assert [o.cached_tokens for o in outs] == [128, 64]
-    assert eng.pool.counters["restores"] == 2
+    c = eng.pool.counters
+    assert c["restores"] + c["loads"] == 2
+    if not pool_load or strategy == "recompute":
+        assert c["restores"] == 2
     eng.close()
+
+
+def test_the_way_to_a_first_token_is_the_one_predicted_soonest(tiny, restorer):
+    """PoolTier.choose: over a fast pool a hit is loaded (with or without resident blocks); over a link that
+    barely moves a byte a resident prefix is continued by a prefill and, with nothing resident, the strategy's
+    plan rebuilds the prefix (cacheflow: by recompute); ``recompute`` and ``pool_load`` off never load."""
+    from kvflow.engine.pool_tier import PoolTier
+    from kvflow.planner import IOModel
+    tier = PoolTier(restorer)
+    assert tier.choose(200, 0, 128)[0] == "load" and tier.choose(200, 64, 128)[0] == "load"
+    assert tier.choose(200, 100, 0)[0] == "prefill" and tier.choose(200, 128, 128)[0] == "prefill"
+    way, seconds = tier.choose(200, 64, 128)
+    assert seconds == tier.predicted_s(200, 64, 128) < tier.predicted_s(200, 64, 0)
+    for no_loads in (PoolTier(restorer, "recompute"), PoolTier(restorer, load=False)):
+        assert no_loads.choose(200, 0, 128)[0] == "restore"
+        assert no_loads.choose(200, 64, 128)[0] in ("restore", "prefill")
+    cell = restorer.io_model().cell_bytes
+    restorer.io_model = lambda calibrated=True: IOModel(bandwidth=1.0, cell_bytes=cell)    # 1 B/s
+    slow = PoolTier(restorer)
+    assert slow.choose(200, 64, 128)[0] == "prefill"
+    assert slow.choose(200, 0, 128)[0] == "restore"
 
 
 def test_a_pool_hit_longer_than_the_resident_hit_keeps_the_resident_blocks(tiny, restorer):
@@ -52,9 +79,33 @@ def test_a_pool_hit_longer_than_the_resident_hit_keeps_the_resident_blocks(tiny,
     restorer.store(base)                                       # 3 chunks in the pool
     eng = engine(tiny, restorer)
     eng.generate([base[:40]], SamplingParams(max_tokens=1))   # 2 resident blocks of 16
+    before = dict(eng.pool.counters)
     out = eng.generate([base + [7]], SamplingParams(max_tokens=4))[0]
     assert out.token_ids == hf_greedy(tiny, base + [7], 4)
     assert out.cached_tokens == 96
+    # over the resident blocks the hit is read into the blocks (no restoration): [32, 96), every layer
+    c = eng.pool.counters
+    assert c["loads"] - before["loads"] == 1 and c["load_tokens"] - before["load_tokens"] == 64
+    assert c["restores"] == before["restores"]
+    eng.close()
+
+
+def test_a_load_that_meets_a_missing_record_computes_from_that_chunk_on_and_stays_exact(tiny, restorer):
+    base = ids(100, 7)
+    restorer.store(base)                                       # 3 chunks of 32 in the pool
+    eng = engine(tiny, restorer)
+    eng.generate([base[:40]], SamplingParams(max_tokens=1))   # 2 resident blocks of 16
+    get_many = eng.pool.pool.get_many
+
+    def losing_the_third_chunk(keys, *a, **kw):
+        got = get_many(keys, *a, **kw)
+        return {k: (None if k.tokens[0] == 64 and k.layers[0] == 1 else v) for k, v in got.items()}
+    eng.pool.pool.get_many = losing_the_third_chunk
+    before = eng.pool.counters["load_tokens"]
+    out = eng.generate([base + [7]], SamplingParams(max_tokens=4))[0]
+    assert out.token_ids == hf_greedy(tiny, base + [7], 4)
+    assert eng.pool.counters["load_tokens"] - before == 32       # [32, 64) read; [64, 101) computed
+    assert out.cached_tokens == 64
     eng.close()
 
 
@@ -84,24 +135,25 @@ def test_a_full_write_queue_drops_and_counts_instead_of_blocking(tiny, restorer)
     assert c["records_written"] == (4 - c["writes_dropped"]) * tiny.num_layers
 
 
-def test_a_failing_restoration_falls_back_to_recompute(tiny, restorer):
+@pytest.mark.parametrize("way", ["restore", "load"])
+def test_a_failing_restoration_or_load_falls_back_to_recompute(tiny, restorer, way):
     base = ids(70, 11)
     restorer.store(base)
-    eng = engine(tiny, restorer)
+    eng = engine(tiny, restorer, pool_load=way == "load")
 
-    def broken(requests):
+    def broken(*args):
         raise RuntimeError("device gone")
-    eng.pool.restore = broken
+    setattr(eng.pool, way, broken)
     out = eng.generate([base + [3]], SamplingParams(max_tokens=4))[0]
     assert out.token_ids == hf_greedy(tiny, base + [3], 4)
-    assert eng.pool.counters["restore_errors"] == 1
+    assert eng.pool.counters[f"{way}_errors"] == 1
     eng.close()
 
 
 def test_with_async_restore_other_sequences_keep_decoding_while_a_restoration_is_in_flight(tiny, restorer):
     base = ids(96, 12)
     restorer.store(base)
-    eng = engine(tiny, restorer, async_restore=True)
+    eng = engine(tiny, restorer, async_restore=True, pool_load=False)
     gate = threading.Event()
     real = eng.pool.restore
     eng.pool.restore = lambda requests: (gate.wait(60), real(requests))[1]
@@ -126,7 +178,7 @@ def test_with_async_restore_other_sequences_keep_decoding_while_a_restoration_is
 def test_aborting_a_request_while_it_is_restored_frees_its_blocks_when_the_restore_returns(tiny, restorer):
     base = ids(64, 14)
     restorer.store(base)
-    eng = engine(tiny, restorer, async_restore=True)
+    eng = engine(tiny, restorer, async_restore=True, pool_load=False)
     gate = threading.Event()
     real = eng.pool.restore
     eng.pool.restore = lambda requests: (gate.wait(60), real(requests))[1]
@@ -143,7 +195,7 @@ def test_aborting_a_request_while_it_is_restored_frees_its_blocks_when_the_resto
 
 def test_restoring_on_the_async_worker_is_exact_too(tiny, restorer):
     restorer.store(ids(130, 3))
-    eng = engine(tiny, restorer, async_restore=True)
+    eng = engine(tiny, restorer, async_restore=True, pool_load=False)
     prompts = [ids(130, 3) + ids(5, 4), ids(130, 3)[:70] + ids(2, 5)]
     outs = eng.generate(prompts, SamplingParams(max_tokens=5))
     assert [o.token_ids for o in outs] == [hf_greedy(tiny, p, 5) for p in prompts]
@@ -154,7 +206,7 @@ def test_restoring_on_the_async_worker_is_exact_too(tiny, restorer):
 def test_an_engine_held_to_its_budget_keeps_no_staging_buffer_between_restores(tiny, restorer):
     context = ids(130, 3)
     restorer.store(context)
-    held = engine(tiny, restorer, release_heap=True, activation_reserve=1 << 20)
+    held = engine(tiny, restorer, release_heap=True, activation_reserve=1 << 20, pool_load=False)
     prompt = context + ids(4, 4)
     assert held.generate([prompt], SamplingParams(max_tokens=3))[0].token_ids == hf_greedy(tiny, prompt, 3)
     staging = restorer.executor.transfer.staging
@@ -173,7 +225,9 @@ def test_a_restorations_predicted_time_is_planned_once_per_shape_until_the_calib
         return real()
     restorer.planner = counting
     first = tier.predicted_s(200, 0, 128)
-    assert tier.predicted_s(200, 64, 128) == first and len(plans) == 1       # the plan ignores resident blocks
+    assert tier.predicted_s(200, 0, 128) == first and len(plans) == 1        # the same shape: the same plan
+    tier.predicted_s(200, 64, 128)
+    assert len(plans) == 1                                                   # resident blocks: the same plan
     tier.predicted_s(300, 0, 256)
     assert len(plans) == 2                                                   # another shape, another plan
     restorer.calibration.compute_seen += 1                                   # a restoration was folded in

@@ -4,6 +4,7 @@ steps, decodes keep their token every step, and a pool hit is ranked by its pred
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,14 +24,15 @@ class Arrival:
 
 
 def run_queue(policy: str, arrivals: list[Arrival], budget: int = 256, num_blocks: int = 4096, factor: float = 4.0,
-              pool_lookup=None, work=None, max_steps: int = 10_000, trace: list | None = None, caching: bool = False):
+              pool_lookup=None, choose=None, max_steps: int = 10_000, trace: list | None = None, caching: bool = False,
+              pool_chunk: int = 0):
     """Drive a Scheduler as the engine does, without a model: a sequence whose KV is complete gets a token at that
     step. Returns (first-token step per request, the sequences, per step the decoders that went without a token);
     ``trace`` gets the ids of the requests scheduled in each step; ``caching``: prefix caching on, computed blocks
     committed after each step (as the engine does)."""
     cfg = EngineConfig(block_size=16, max_num_batched_tokens=budget, scheduling_policy=policy,
                        starvation_factor=factor, enable_prefix_caching=caching)
-    sched = Scheduler(cfg, BlockManager(num_blocks, 16, caching), pool_lookup, work=work)
+    sched = Scheduler(cfg, BlockManager(num_blocks, 16, caching), pool_lookup, choose=choose, pool_chunk=pool_chunk)
     seqs = [Sequence(i, list(a.tokens or [i % 1000] * a.prompt), a.prompt,
                      SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)) for i, a in enumerate(arrivals)]
     first, skipped = {}, []
@@ -126,10 +128,12 @@ def test_a_pool_hit_is_ranked_by_its_predicted_restoration_not_its_length():
     def lookup(token_ids):
         return 1984 if len(token_ids) >= 1999 else 0
     for restore_s, order in ((0.1, [1, 0]), (5.0, [0, 1])):
-        def work(n, resident, stored):
-            return restore_s + (n - stored) * 1e-3 if stored else (n - resident) * 1e-3    # 1 ms a prefill token
+        def choose(n, resident, stored):
+            if stored:
+                return "restore", restore_s + (n - stored) * 1e-3
+            return "prefill", (n - resident) * 1e-3                                     # 1 ms a prefill token
         cfg = EngineConfig(block_size=16, max_num_batched_tokens=4096, scheduling_policy="remaining-work")
-        sched = Scheduler(cfg, BlockManager(1024, 16, False), lookup, work=work)
+        sched = Scheduler(cfg, BlockManager(1024, 16, False), lookup, choose=choose)
         seqs = [Sequence(i, [i + 1] * a.prompt, a.prompt, SamplingParams()) for i, a in enumerate(arrivals)]
         for s in seqs:             # distinct tokens: neither prompt is a prefix of the other (that one would wait)
             sched.add(s)
@@ -147,6 +151,18 @@ def test_a_decoder_is_swapped_for_a_short_prompt_but_not_for_a_prefill_longer_th
         assert seqs[0].num_swaps == swaps and len(first) == 2
         if swaps == 0:
             assert first[1] >= 8                           # after the decoder's last token
+
+
+@pytest.mark.parametrize("policy", ["remaining-work", "first-token"])
+def test_the_decoder_swapped_is_the_one_that_computes_least_again_when_it_comes_back(policy):
+    """Two decoders with as many tokens left hold the blocks a newcomer needs; either one swapped out makes room. The
+    pool stores whole 64-token chunks, so a decoder comes back computing what follows its last one: 2 tokens for the
+    one 66 tokens long, 40 for the one at 104 (which also holds more blocks). The first is swapped."""
+    def lookup(token_ids):
+        return 0                                           # a pool, empty: swaps are possible
+    arrivals = [Arrival(0, 62, max_tokens=40), Arrival(0, 100, max_tokens=40), Arrival(4, 60)]
+    first, seqs, _ = run_queue(policy, arrivals, budget=256, num_blocks=14, pool_lookup=lookup, pool_chunk=64)
+    assert [s.num_swaps for s in seqs[:2]] == [1, 0] and len(first) == 3
 
 
 def test_questions_about_32k_token_documents_do_not_wait_for_the_documents_prefill():
@@ -203,21 +219,24 @@ def test_a_waiting_request_is_not_passed_over_by_later_requests_of_about_its_siz
     assert max(m - f for m, f in zip(mine, fcfs)) <= 2
 
 
-def test_a_pool_hit_over_a_resident_prefix_is_restored_only_when_predicted_sooner_than_the_prefill_of_the_rest():
-    """A 352-token prompt whose first 288 tokens are resident and 320 are in the pool. A restoration rebuilds the
-    whole [0, 320): priced at 1 s, the 64-token prefill from the resident hit (64 ms) wins and nothing is restored;
-    priced at 10 ms, the restore wins. Under every policy (admission is one rule)."""
+def test_a_pool_hit_over_a_resident_prefix_is_loaded_only_when_predicted_sooner_than_the_prefill_of_the_rest():
+    """A 352-token prompt whose first 288 tokens are resident and 320 are in the pool. Its load of [288, 320) and the
+    prefill after it priced at 1 s, the 64-token prefill from the resident hit (64 ms) wins and nothing is read;
+    priced at 10 ms, the load wins (a load into the blocks, not a restoration: something is resident). Under every
+    policy (admission is one rule)."""
     prompt = list(range(352))
 
     def lookup(token_ids):
         return 320 if len(token_ids) >= 320 else 0
-    for restore_s, expected in ((1.0, 0), (0.01, 320)):
-        def work(n, resident, stored):
-            return restore_s if stored else (n - resident) * 1e-3
+    for load_s, expected in ((1.0, 0), (0.01, 320)):
+        def choose(n, resident, stored):             # the soonest of a prefill from the resident blocks and a load
+            ways = {"prefill": (n - resident) * 1e-3, **({"load": load_s} if stored else {})}
+            way = min(ways, key=ways.get)
+            return way, ways[way]
         for policy in ("remaining-work", "first-token", "fcfs"):
             cfg = EngineConfig(block_size=16, max_num_batched_tokens=512, scheduling_policy=policy)
             bm = BlockManager(64, 16, True)
-            sched = Scheduler(cfg, bm, lookup, work=work)
+            sched = Scheduler(cfg, bm, lookup, choose=choose)
             first = Sequence(0, prompt[:300], 300, SamplingParams(max_tokens=1))
             sched.add(first)
             sched.schedule()
@@ -228,5 +247,5 @@ def test_a_pool_hit_over_a_resident_prefix_is_restored_only_when_predicted_soone
             sched.add(seq)
             out = sched.schedule()
             assert [s.seq for s in out.scheduled] == [seq]
-            assert seq.num_computed == 288 and seq.pool_restore == expected
+            assert seq.num_computed == 288 and seq.pool_load == expected and seq.pool_restore == 0   # a load
             assert out.scheduled[0].start == (expected or 288)

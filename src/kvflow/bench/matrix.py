@@ -138,6 +138,7 @@ def diagnostics(kv: dict, vl: dict, split: dict | None) -> dict:
     return {"kvflow_cached": split.get("resident", 0.0) + split.get("pool", 0.0), "vllm_cached": vl["cached_share"],
             "kvflow_resident": split.get("resident", 0.0), "kvflow_pool": split.get("pool", 0.0),
             "restores": counters.get("restores", 0), "restore_errors": counters.get("restore_errors", 0),
+            "loads": counters.get("loads", 0),
             "swaps": split.get("swaps", 0), "preemptions": split.get("preemptions", 0),
             "kvflow_itl_p50_ms": kv["itl_p50_s"] * 1e3, "vllm_itl_p50_ms": vl["itl_p50_s"] * 1e3,
             "itl_p50_ratio": _ratio(kv["itl_p50_s"], vl["itl_p50_s"]),

@@ -11,7 +11,8 @@ on the serve defaults (blocks of 16, 512 tokens a step; pool chunks of 64) with 
                   once at the start of the run (bench/bound.py's ``recompute_rate``, set through restore_bench's
                   ``Bench.set_link`` — the same rho as every kvflow benchmark, DESIGN.md §5)
     4. turn 2     turn 1's messages + its answer + the next user message: the history comes back from the pool,
-                  restored by the strategy; TTFT = first token - ``add_request`` (engine API, no HTTP)
+                  restored by the strategy (``engine.pool_load`` off: never read straight into the blocks, so
+                  the strategies' restorations are what is compared); TTFT = first token - ``add_request``
 
 Reported: each strategy's median TTFT over the repeats, cacheflow / recompute (of the medians, and per repeat), the
 history tokens restored from the pool vs resident, the tokens the restoration's plan loads vs recomputes (the engine's
@@ -188,7 +189,7 @@ def run_second_turn(runner, cost, *, history: int = 4096, user_tokens: int = 64,
         for name in order:
             progress(f"{name} ({rep + 1}/{repeats}): turn 1, eviction, turn 2 at rho={rho:g}")
             engine = kvflow_engine(runner, name, capacity * kv, block, pool_bytes, chunk_tokens, step, cost,
-                                   pool_dir)
+                                   pool_dir, pool_load=False)     # the strategies' restorations compared
             bench.pools[name] = engine.pool.pool
             try:
                 bench.set_link(name, None)

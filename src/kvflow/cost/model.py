@@ -54,6 +54,11 @@ class CostModel:
         """Seconds to run c tokens at position p through n_layers layers (one step)."""
         return self.step_time((p, p + c), n_layers)
 
+    def added_time(self, c: int, p: int, n_layers: int) -> float:
+        """Seconds c tokens at position p add to a step that runs anyway (beside other sequences' decodes): their
+        linear work and attention, without the per-call and per-step overheads the step pays once for all rows."""
+        return n_layers * self.layer_time(c, p, per_call=0.0) if c > 0 and n_layers > 0 else 0.0
+
     def scaled(self, factor: float) -> "CostModel":
         """The same machine running every step ``factor`` times slower."""
         return replace(self, a=self.a * factor, b=self.b * factor, d=self.d * factor, e=self.e * factor,

@@ -25,6 +25,8 @@ class EngineConfig:
     chunked_prefill: bool = True          # False: a prompt is admitted only when all of it fits one step
     strategy: str = "cacheflow"           # restoration strategy for pool hits (any of kvflow.planner.STRATEGIES)
     pool_min_tokens: int = 1              # a pool hit must add at least this many tokens over the resident hit
+    pool_load: bool = True                # a pool hit may be read straight into blocks when predicted soonest
+                                          # (False: only restored by the strategy, as its comparisons need)
     async_restore: bool = False           # True: restore pool hits on a 1-thread worker while steps go on (threads.py)
     scheduling_policy: str = "remaining-work"  # or "first-token", "fcfs": the order of prefills and admissions
     #                                       (scheduler.py); remaining-work and first-token swap decoders for a first token

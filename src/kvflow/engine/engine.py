@@ -138,14 +138,16 @@ class LLMEngine:
         log.info("activation reserve %s%s (engine/reserve.py)", how, f" in {time.perf_counter() - began:.1f} s"
                  if how == "measured" else " from the model's shape, no step run" if how == "estimated" else "")
         log.info("%s", self.memory.line())
-        self.pool = PoolTier(restorer, cfg.strategy, cfg.write_queue) if restorer is not None else None
+        self.pool = (PoolTier(restorer, cfg.strategy, cfg.write_queue, load=cfg.pool_load) if restorer is not None
+                     else None)
         if restorer is not None and cfg.holds_to_live_set:
             restorer.executor.transfer.staging.keep_bytes = 0   # no staging kept between restores: not in the budget
         self._restorer = (ThreadPoolExecutor(1, thread_name_prefix="kvflow-restore", initializer=single_threaded)
                           if self.pool else None)     # one OpenMP team per process: kvflow/threads.py
         self._jobs: list[_RestoreJob] = []
         self.scheduler = Scheduler(cfg, self.blocks, self.pool.lookup if self.pool else None, self._store,
-                                   self.pool.predicted_s if self.pool else None)
+                                   self.pool.choose if self.pool else None,
+                                   self.pool.chunk_tokens if self.pool else 0)
         if self.elastic is not None:
             self.elastic.attach(self)
         eos = getattr(runner.hf_model.generation_config, "eos_token_id", None)
@@ -230,6 +232,9 @@ class LLMEngine:
             self._submit(restoring)
         elif restoring:
             self._restore_now(restoring, logits)
+        for s in plan.scheduled:
+            if s.seq.pool_load:
+                self._load(s)
         for seq in plan.admitted:
             if seq.num_preemptions == 0 and not seq.restoring:
                 self._count_hit(seq)
@@ -317,6 +322,23 @@ class LLMEngine:
                 if seq.num_preemptions == 0:
                     self._count_hit(seq)
         return outputs
+
+    def _load(self, s) -> None:
+        """A pool hit admitted over resident blocks: the records of [num_computed, pool_load) are read into the
+        sequence's blocks (PoolTier.load) and the step computes from where they end — from the first miss on, if
+        a record is missing or bad (a miss, never a wrong token)."""
+        seq = s.seq
+        try:
+            got = self.pool.load(seq.token_ids, seq.num_computed, seq.pool_load, self.cache, seq.block_table)
+        except Exception as err:      # a failed load is a recompute, never a failed request
+            log.warning("pool load failed, recomputing: %s", err)
+            self.pool.counters["load_errors"] += 1
+            got = seq.num_computed
+        if got < seq.pool_load:
+            if seq.num_preemptions == 0:
+                seq.pool_hit_tokens = got - seq.num_computed
+            s.start = got
+        seq.pool_load = 0
 
     def _restore_now(self, restoring, logits: dict) -> None:
         """Pool hits of this step restored inside the step (async_restore off)."""

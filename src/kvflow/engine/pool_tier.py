@@ -1,9 +1,11 @@
 """PoolTier: the kvflow pool as the engine's next tier below the resident blocks.
 
-Lookup (at admission): the longest stored prefix of the prompt, in whole pool chunks. Restore (in the step): the
-restorer rebuilds that prefix with the configured strategy (``cacheflow`` by default; several requests restoring
-in one step go through the batch-aware scheduler) and prefills this step's slice of the prompt after it; the engine
-copies the KV into the sequence's blocks. Store (a sequence finishes or is preempted): the full pool chunks of its
+Lookup (at admission): the longest stored prefix of the prompt, in whole pool chunks; ``choose`` says which way to
+the first token is predicted soonest: a prefill from the resident blocks, a load, or a restoration. Load (in the
+step): the records past the resident blocks are read straight into the sequence's blocks and the step computes the
+rest beside the other sequences. Restore (in the step): the restorer rebuilds that prefix with the configured
+strategy (``cacheflow`` by default; several requests restoring in one step go through the batch-aware scheduler)
+and prefills this step's slice of the prompt after it; the engine copies the KV into the sequence's blocks. Store (a sequence finishes or is preempted): the full pool chunks of its
 computed KV are copied out of the blocks on the engine thread and written by a writer thread through a bounded
 queue — when the queue is full the write is dropped and counted, the engine never waits for the pool.
 
@@ -26,11 +28,13 @@ PLANS_KEPT = 4096
 
 
 class PoolTier:
-    def __init__(self, restorer, strategy: str = "cacheflow", queue_size: int = 64):
+    def __init__(self, restorer, strategy: str = "cacheflow", queue_size: int = 64, load: bool = True):
         self.restorer, self.pool, self.strategy = restorer, restorer.pool, strategy
+        self.loads = load and strategy != "recompute"     # loads are a way to a first token (``choose``)
         self.chunk_tokens = restorer.chunk_tokens
         self.num_layers = restorer.runner.num_layers
-        self.counters = Counter(lookups=0, restores=0, restore_errors=0, restored_tokens=0)
+        self.counters = Counter(lookups=0, restores=0, restore_errors=0, restored_tokens=0, loads=0,
+                                load_tokens=0)
         dtype = restorer.record_dtype()
         self.writes = WriteQueue(lambda items: self.pool.put_many(items, dtype=dtype), queue_size, self.counters)
         self.loaded_tokens: Counter = Counter()       # per strategy: context tokens loaded (token x layer / L)
@@ -48,24 +52,81 @@ class PoolTier:
         req, _ = self.restorer.lookup(torch.as_tensor(token_ids, dtype=torch.long), 1)
         return req.stored_chunks * self.chunk_tokens
 
+    def choose(self, num_tokens: int, resident: int, stored: int) -> tuple[str, float]:
+        """The way a prompt of ``num_tokens`` gets to its first-token logits from what is cached — resident blocks
+        [0, resident), a pool hit [0, stored) — that is predicted soonest, and its predicted seconds (the
+        scheduler's remaining-work rank). Three ways, priced by the restorer's calibrated models (the ones plans
+        are made with):
+
+        * ``prefill``: [resident, num_tokens) computed in the step (offered when something is resident, or nothing
+          is stored past it);
+        * ``load``: the records of [resident, stored) read into the sequence's blocks, every layer, and
+          [stored, num_tokens) computed in the step (not offered by the ``recompute`` strategy, nor with
+          ``pool_load`` off);
+        * ``restore``: the strategy's restoration of [0, stored) with the rest as its query (the planner knows
+          nothing of resident blocks, so it rebuilds all of it; cacheflow may recompute early chunks while it
+          loads late ones, which beats a load where the link is slow).
+
+        What runs in the step is priced as the tokens it adds to a step that runs anyway (``added_time``: the
+        decodes beside it pay the step's per-call overheads); a restoration runs its own passes and pays them.
+        With nothing resident a pool hit is always used (a load or the strategy's plan, which may recompute all
+        of it); ties go to the way listed first."""
+        cost, L = self.restorer.planned_cost(), self.num_layers
+        prefill = cost.added_time(num_tokens - resident, resident, L)
+        if stored <= resident:
+            return "prefill", prefill
+        ways = {"prefill": prefill} if resident else {}
+        if self.loads:
+            cells = (stored // self.chunk_tokens - resident // self.chunk_tokens) * L
+            ways["load"] = (self.restorer.io_model().read_time(cells)
+                            + cost.added_time(num_tokens - stored, stored, L))
+        ways["restore"] = self._restoration_s(num_tokens, stored)
+        way = min(ways, key=ways.get)
+        return way, ways[way]
+
     def predicted_s(self, num_tokens: int, resident: int, stored: int) -> float:
-        """Predicted seconds to a prompt's first-token logits from what is cached (the scheduler's remaining-work
-        rank): the planner's restoration of a pool hit [0, stored) with the rest as its query, else a prefill of
-        [resident, num_tokens) — both priced by the restorer's calibrated cost model, the one plans are made with.
-        A restoration's plan takes ~30 ms to make (smollm2-135m, 5 chunks x 30 layers), so it is kept per
-        (lengths, calibration state, pool bandwidth): requests of one shape share it until a restoration or a
-        device changes what the planner would say."""
-        if stored > resident:
-            cal = self.restorer.calibration
-            key = (num_tokens, stored, self.pool.read_bandwidth,
-                   None if cal is None else (cal.compute_seen, cal.io_seen))
-            if key not in self._plans:
-                if len(self._plans) >= PLANS_KEPT:
-                    self._plans.clear()
-                req = Request(stored, num_tokens - stored, stored // self.chunk_tokens)
-                self._plans[key] = self.restorer.planner().plan(self.strategy, req).predicted.ttft_s
-            return self._plans[key]
-        return self.restorer.planned_cost().compute_time(num_tokens - resident, resident, self.num_layers)
+        """Predicted seconds to the first-token logits the soonest way (``choose``)."""
+        return self.choose(num_tokens, resident, stored)[1]
+
+    def _restoration_s(self, num_tokens: int, stored: int) -> float:
+        """The planner's predicted time to first token of a restoration of [0, stored) with the rest as its query.
+        A plan takes ~30 ms to make (smollm2-135m, 5 chunks x 30 layers), so it is kept per (lengths, calibration
+        state, pool bandwidth): requests of one shape share it until a restoration or a device changes what the
+        planner would say."""
+        cal = self.restorer.calibration
+        key = (num_tokens, stored, self.pool.read_bandwidth, None if cal is None else (cal.compute_seen, cal.io_seen))
+        if key not in self._plans:
+            if len(self._plans) >= PLANS_KEPT:
+                self._plans.clear()
+            req = Request(stored, num_tokens - stored, stored // self.chunk_tokens)
+            self._plans[key] = self.restorer.planner().plan(self.strategy, req).predicted.ttft_s
+        return self._plans[key]
+
+    def load(self, token_ids: list[int], start: int, stop: int, cache: PagedKVCache, block_table: list[int]) -> int:
+        """Copy the stored KV of positions [start, stop) (``stop`` whole chunks) from the pool into the sequence's
+        blocks, chunk by chunk, every layer; returns where it stopped: ``stop``, or the start of the first chunk
+        with a record missing, foreign or failing its checks (a miss: the caller computes from there). No planner,
+        no model: what a resident prefix leaves of a pool hit is only read."""
+        C = self.chunk_tokens
+        rows = self.restorer.keys(torch.as_tensor(token_ids[:stop], dtype=torch.long))[start // C:]
+        got = self.pool.get_many([k for row in rows for k in row])
+        done = start
+        for row in rows:
+            c0, c1 = row[0].tokens
+            recs = [got.get(k) for k in row]
+            if any(r is None or tuple(r.shape) != (k.layers[1] - k.layers[0], 2, cache.kv_heads, c1 - c0,
+                                                   cache.head_dim) for k, r in zip(row, recs)):
+                break
+            lo = max(start, c0)
+            slots = cache.slots(block_table, lo, c1)
+            for k, rec in zip(row, recs):
+                part = rec[:, :, :, lo - c0:].to(device=cache.kv.device, dtype=cache.kv.dtype)
+                for i, layer in enumerate(range(*k.layers)):
+                    cache.write(layer, slots, part[i, 0:1], part[i, 1:2])
+            done = c1
+        self.counters["loads"] += 1
+        self.counters["load_tokens"] += done - start
+        return done
 
     def restore(self, requests: list[tuple[list[int], list[int]]]):
         """RestoreResults (``.kv`` per layer [1, H, ctx+query, D], ``.logits``) of (context, query) pairs."""

@@ -34,9 +34,9 @@ and its blocks fit, and nobody is admitted past one that does not fit)::
 
     rank   due (passed over too long), by arrival  <  work to first token, aged, by its power of two, smallest
            first, then by arrival  <  has a token, by arrival
-    work   waiting:  a pool hit s over resident r whose restore is predicted sooner than the prefill of [r, n):
-                     the planner's predicted restore of [0, s) + prefill of the rest (admitted, it is restored)
-                     otherwise: the cost model's prefill of [r, n)          (no pool, no cost model: n - r tokens)
+    work   waiting:  the soonest of three predicted ways from resident r and pool hit s (PoolTier.choose):
+                     prefill of [r, n) | load of [r, s) + prefill of [s, n) | the strategy's restore of [0, s) with
+                     [s, n) as its query; admitted, it goes that way          (no pool, no cost model: tokens left)
            running:  prefill of what is left, [num_computed, n)
 
 A waiting request's resident hit is matched again whenever the cached blocks changed (BlockManager.version; a
@@ -104,15 +104,25 @@ def magnitude(work: float) -> int:
     return math.frexp(work)[1] if work > 0 else -1_000_000
 
 
+def _tokens_left(num_tokens: int, resident: int, stored: int) -> tuple[str, float]:
+    """Without a cost model: a pool hit is restored, work is the tokens left to compute."""
+    if stored > resident:
+        return "restore", float(num_tokens - stored)
+    return "prefill", float(num_tokens - resident)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager,
                  pool_lookup: Callable[[list[int]], int] | None = None,
                  on_preempt: Callable[[Sequence], None] | None = None,
-                 work: Callable[[int, int, int], float] | None = None):
+                 choose: Callable[[int, int, int], tuple[str, float]] | None = None, pool_chunk: int = 0):
         self.config, self.blocks = config, blocks
         self.pool_lookup, self.on_preempt = pool_lookup, on_preempt
-        # remaining-work policy: (num_tokens, resident hit, pool hit) -> predicted work to the first token
-        self.work = work or (lambda n, resident, stored: float(n - max(resident, stored)))
+        self.pool_chunk = pool_chunk       # tokens per pool chunk (0: no pool)
+        # (num_tokens, resident hit, pool hit) -> (the way to the first token predicted soonest: "prefill", "load"
+        # or "restore"; its predicted work, the remaining-work rank). PoolTier.choose; without a pool: tokens
+        self.choose = choose or _tokens_left
+        self.work = lambda n, resident, stored: self.choose(n, resident, stored)[1]
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -185,13 +195,14 @@ class Scheduler:
         self.waiting.remove(seq)
         hit = bm.allocate(seq)
         seq.num_computed = hit
-        seq.pool_restore = self._restore_of(seq.num_tokens, hit, self._stored(seq))
+        way, stored, _ = self._way(seq.num_tokens, hit, self._stored(seq))
+        seq.pool_restore, seq.pool_load = (stored, 0) if way == "restore" else (0, stored)
         if not seq.admitted_once:
-            seq.resident_hit_tokens, seq.pool_hit_tokens = hit, max(seq.pool_restore - hit, 0)
+            seq.resident_hit_tokens, seq.pool_hit_tokens = hit, max(stored - hit, 0)
             seq.admitted_once = True
         seq.status = Status.RUNNING
         self.running.append(seq)
-        start = seq.pool_restore or seq.num_computed
+        start = stored or seq.num_computed
         out.scheduled.append(Scheduled(seq, min(seq.num_tokens - start, budget), start))
         out.admitted.append(seq)
         return True
@@ -263,8 +274,7 @@ class Scheduler:
             seq.stored_tokens = self._stored(seq)
         elif resident == seq.resident_tokens:
             return                                 # the same hit: the same prediction
-        stored = self._restore_of(seq.num_tokens, resident, seq.stored_tokens)
-        seq.work = self.work(seq.num_tokens, resident, stored)
+        _, stored, seq.work = self._way(seq.num_tokens, resident, seq.stored_tokens)
         seq.resident_tokens, seq.hit_tokens = resident, max(resident, stored)
         if seq.work_tokens < 0:                    # the aging threshold: its uncached tokens when first seen
             seq.work_tokens = seq.num_tokens - seq.hit_tokens
@@ -309,7 +319,8 @@ class Scheduler:
             return
         victims = sorted((s for s in self.running if s.first_token_s is not None and not s.restoring
                           and s.num_swaps < self.config.max_swaps),
-                         key=lambda s: (s.params.max_tokens - s.num_output, len(s.block_table)), reverse=True)
+                         key=lambda s: (self._return_tokens(s), -(s.params.max_tokens - s.num_output),
+                                        -len(s.block_table)))
         if self.config.scheduling_policy == "remaining-work":
             # a decoder is swapped only when the head's prefill takes fewer steps than the decoder has tokens left:
             # the swap costs the decoder that many steps and saves the head its remaining answer
@@ -336,22 +347,27 @@ class Scheduler:
             v.num_swaps += 1
             out.swapped.append(v)
 
+    def _return_tokens(self, seq: Sequence) -> int:
+        """Tokens a decoder swapped out now computes again when it comes back: those after the last full pool chunk
+        of what it computed (the pool stores only full chunks; the rest is loaded or restored)."""
+        C = self.pool_chunk
+        return seq.num_tokens - seq.num_computed // C * C if C else seq.num_tokens
+
     def _victim(self) -> Sequence:
         """The most recently admitted running sequence not being restored (the one asking is always a candidate)."""
         return next(s for s in reversed(self.running) if not s.restoring)
 
-    def _restore_of(self, num_tokens: int, resident: int, stored: int) -> int:
-        """The pool hit worth restoring: ``stored`` when it adds at least ``pool_min_tokens`` to the resident hit and,
-        where something is resident, the prediction (``work``: the planner's) has its restoration done before a
-        prefill from the resident hit; else 0. A restoration rebuilds the whole prefix [0, stored) (the planner
-        knows nothing of resident blocks), so a resident prefix that covers most of it — a swapped-out answer whose
-        shared document stayed resident — is continued by a prefill instead. With nothing resident the configured
-        strategy's plan decides how [0, stored) is rebuilt (cacheflow may recompute all of it)."""
+    def _way(self, num_tokens: int, resident: int, stored: int) -> tuple[str, int, float]:
+        """How a request admitted now gets to its first token, the pool hit that way uses (0: none) and its
+        predicted work: the pool
+        hit counts when it adds at least ``pool_min_tokens`` to the resident hit; then ``choose`` (PoolTier's
+        three predictions) says whether it is loaded into the blocks past the resident hit, restored by the
+        strategy (all of [0, stored)), or left for a prefill of [resident, n) — a swapped-out answer whose shared
+        document stayed resident is continued by a short prefill rather than a rebuild of all of it."""
         if stored < resident + self.config.pool_min_tokens:
-            return 0
-        if resident and self.work(num_tokens, resident, stored) >= self.work(num_tokens, resident, 0):
-            return 0
-        return stored
+            stored = 0
+        way, work = self.choose(num_tokens, resident, stored)
+        return way, 0 if way == "prefill" else stored, work
 
     def _stored(self, seq: Sequence) -> int:
         """Tokens of ``seq``'s longest prefix in the pool, leaving at least one token to compute."""
@@ -363,7 +379,7 @@ class Scheduler:
         if self.on_preempt is not None:
             self.on_preempt(seq)
         self.blocks.free_seq(seq)
-        seq.status, seq.num_computed, seq.pool_restore = Status.WAITING, 0, 0
+        seq.status, seq.num_computed, seq.pool_restore, seq.pool_load = Status.WAITING, 0, 0, 0
         seq.work = None                    # re-estimated at its next ranking (its hits changed)
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)

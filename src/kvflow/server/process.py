@@ -74,9 +74,10 @@ def fresh_pool(pool_bytes: int, chunk_tokens: int, pool_dir: str | None = None, 
 def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int, pool_bytes: int, chunk_tokens: int,
                   max_num_batched_tokens: int, cost=None, pool_dir: str | None = None, rho: float | None = None,
                   recompute_rate: float | None = None, scheduling_policy: str | None = None, tokenizer=None,
-                  activation_reserve: int = 0):
+                  activation_reserve: int = 0, pool_load: bool = True):
     """An engine over ``runner`` with a fresh pool (``strategy`` None: no pool tier; ``scheduling_policy`` None:
-    the engine's default; ``tokenizer`` None: the byte-level one; ``activation_reserve`` 0: measured)."""
+    the engine's default; ``tokenizer`` None: the byte-level one; ``activation_reserve`` 0: measured;
+    ``pool_load`` False: pool hits only restored by the strategy, for a comparison of strategies)."""
     from kvflow import Restorer
     from kvflow.engine import EngineConfig, LLMEngine
     from kvflow.engine.tokenizer import ByteTokenizer
@@ -87,7 +88,7 @@ def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int,
         restorer = Restorer(runner, pool, cost=cost)
     cfg = EngineConfig(block_size=block_size, kv_budget=kv_budget, strategy=strategy or "cacheflow",
                        max_num_batched_tokens=max_num_batched_tokens, activation_reserve=activation_reserve,
-                       **({} if scheduling_policy is None else {"scheduling_policy": scheduling_policy}))
+                       pool_load=pool_load, **({} if scheduling_policy is None else {"scheduling_policy": scheduling_policy}))
     cfg.validate()
     return LLMEngine(runner, cfg, restorer=restorer, tokenizer=tokenizer or ByteTokenizer(runner.config.vocab_size))
 
