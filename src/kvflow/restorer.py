@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvflow.chunks.keys import ChunkKey, chunk_keys, layer_groups
+from kvflow.chunks.keys import ChunkKey, chunk_keys, layer_groups, tail_keys
 from kvflow.chunks.record import HEADER_SIZE, kv_record_dtype
 from kvflow.cost.calibration import Calibration
 from kvflow.cost.model import CostModel
@@ -102,6 +102,10 @@ class Restorer:
     # ------------------------------------------------------------------------------------- storing
     def keys(self, token_ids: torch.Tensor) -> list[list[ChunkKey]]:
         return chunk_keys(token_ids, self.runner.fingerprint, self.chunk_tokens, self.groups)
+
+    def tail_keys(self, token_ids: torch.Tensor) -> list[ChunkKey]:
+        """Keys of the partial chunk at the end of ``token_ids`` ([] on a chunk boundary): chunks/keys.py."""
+        return tail_keys(token_ids, self.runner.fingerprint, self.chunk_tokens, self.groups)
 
     def act_keys(self, token_ids: torch.Tensor, boundary: int) -> list[ChunkKey]:
         """Keys of the boundary activation records (hidden states entering layer ``boundary``), one per full chunk."""

@@ -44,3 +44,26 @@ def test_tensor_and_list_token_ids_give_the_same_keys():
 def test_layer_groups_cover_all_layers_once():
     assert layer_groups(5, 2) == [(0, 2), (2, 4), (4, 5)]
     assert layer_groups(4, 1) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+@settings(max_examples=50, deadline=None)
+@given(ids=st.lists(st.integers(0, 50000), min_size=0, max_size=200), chunk=st.integers(2, 32),
+       pos=st.integers(0, 199))
+def test_a_tail_key_names_exactly_its_tokens_and_everything_before_them(ids, chunk, pos):
+    """The partial chunk after the full ones gets one key per layer group over tokens [k*c, n): none on a chunk
+    boundary; never a full chunk's key; another token anywhere (or one token more or less) is another key."""
+    from kvflow.chunks.keys import tail_keys
+    keys = tail_keys(ids, FP, chunk, [(0, 2), (2, 3)])
+    k = len(ids) // chunk
+    if len(ids) % chunk == 0:
+        assert keys == []
+        return
+    assert [key.tokens for key in keys] == [(k * chunk, len(ids))] * 2 and keys[0].layers == (0, 2)
+    full = {key.digest for row in chunk_keys(ids + [0] * chunk, FP, chunk, [(0, 2), (2, 3)]) for key in row}
+    assert not full & {key.digest for key in keys}
+    other = list(ids)
+    other[pos % len(ids)] += 1
+    assert tail_keys(other, FP, chunk, [(0, 2), (2, 3)])[0].digest != keys[0].digest
+    shorter = tail_keys(ids[:-1], FP, chunk, [(0, 2), (2, 3)])
+    assert not shorter or shorter[0].digest != keys[0].digest
+    assert tail_keys(torch.tensor(ids), FP, chunk, [(0, 2), (2, 3)]) == keys

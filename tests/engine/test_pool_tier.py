@@ -120,6 +120,34 @@ def test_preempted_sequences_come_back_exactly_through_the_pool_or_recompute(tin
     eng.close()
 
 
+def test_a_preempted_decoder_comes_back_reading_its_partial_last_chunk_and_computing_one_token(tiny, restorer):
+    """A decoder preempted at 75 tokens (2 chunks of 32 + 11) stores its tail [64, 75) under the tail key; when it
+    comes back its lookup finds all 75 and the step computes only its last token; its tokens still equal generate.
+    A finished sequence stores no tail (a follow-up never asks for that exact prefix)."""
+    eng = engine(tiny, restorer, enable_prefix_caching=False)
+    prompt = ids(70, 21)
+    sid = eng.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    got = []
+    while len(got) < 6:
+        got += [t for o in eng.step() for t in o.new_token_ids]
+    seq = eng.seqs[sid]
+    assert seq.num_tokens == 76 and seq.num_computed == 75
+    eng.scheduler.running.remove(seq)
+    eng.scheduler._preempt(seq)                 # as a swap or a preemption does
+    eng.pool.flush()
+    assert eng.pool.lookup(seq.token_ids[:75]) == 75 and eng.pool.lookup(seq.token_ids[:74]) == 64
+    computed = eng.stats.computed_tokens
+    got += [t for o in eng.step() for t in o.new_token_ids]
+    assert eng.stats.computed_tokens - computed == 1 and eng.pool.counters["load_tokens"] == 75
+    while eng.has_unfinished():
+        got += [t for o in eng.step() for t in o.new_token_ids]
+    assert got == hf_greedy(tiny, prompt, 12, ignore_eos=True)
+    eng.pool.flush()
+    done = prompt + got
+    assert eng.pool.lookup(done[:-1]) == (len(done) - 1) // 32 * 32     # stored when it finished: whole chunks
+    eng.close()
+
+
 def test_a_full_write_queue_drops_and_counts_instead_of_blocking(tiny, restorer):
     gate = threading.Event()
     put = restorer.pool.put_many

@@ -4,7 +4,6 @@ steps, decodes keep their token every step, and a pool hit is ranked by its pred
 
 from dataclasses import dataclass
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,15 +23,14 @@ class Arrival:
 
 
 def run_queue(policy: str, arrivals: list[Arrival], budget: int = 256, num_blocks: int = 4096, factor: float = 4.0,
-              pool_lookup=None, choose=None, max_steps: int = 10_000, trace: list | None = None, caching: bool = False,
-              pool_chunk: int = 0):
+              pool_lookup=None, choose=None, max_steps: int = 10_000, trace: list | None = None, caching: bool = False):
     """Drive a Scheduler as the engine does, without a model: a sequence whose KV is complete gets a token at that
     step. Returns (first-token step per request, the sequences, per step the decoders that went without a token);
     ``trace`` gets the ids of the requests scheduled in each step; ``caching``: prefix caching on, computed blocks
     committed after each step (as the engine does)."""
     cfg = EngineConfig(block_size=16, max_num_batched_tokens=budget, scheduling_policy=policy,
                        starvation_factor=factor, enable_prefix_caching=caching)
-    sched = Scheduler(cfg, BlockManager(num_blocks, 16, caching), pool_lookup, choose=choose, pool_chunk=pool_chunk)
+    sched = Scheduler(cfg, BlockManager(num_blocks, 16, caching), pool_lookup, choose=choose)
     seqs = [Sequence(i, list(a.tokens or [i % 1000] * a.prompt), a.prompt,
                      SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)) for i, a in enumerate(arrivals)]
     first, skipped = {}, []
@@ -151,18 +149,6 @@ def test_a_decoder_is_swapped_for_a_short_prompt_but_not_for_a_prefill_longer_th
         assert seqs[0].num_swaps == swaps and len(first) == 2
         if swaps == 0:
             assert first[1] >= 8                           # after the decoder's last token
-
-
-@pytest.mark.parametrize("policy", ["remaining-work", "first-token"])
-def test_the_decoder_swapped_is_the_one_that_computes_least_again_when_it_comes_back(policy):
-    """Two decoders with as many tokens left hold the blocks a newcomer needs; either one swapped out makes room. The
-    pool stores whole 64-token chunks, so a decoder comes back computing what follows its last one: 2 tokens for the
-    one 66 tokens long, 40 for the one at 104 (which also holds more blocks). The first is swapped."""
-    def lookup(token_ids):
-        return 0                                           # a pool, empty: swaps are possible
-    arrivals = [Arrival(0, 62, max_tokens=40), Arrival(0, 100, max_tokens=40), Arrival(4, 60)]
-    first, seqs, _ = run_queue(policy, arrivals, budget=256, num_blocks=14, pool_lookup=lookup, pool_chunk=64)
-    assert [s.num_swaps for s in seqs[:2]] == [1, 0] and len(first) == 3
 
 
 def test_questions_about_32k_token_documents_do_not_wait_for_the_documents_prefill():

@@ -4,8 +4,15 @@
     h_i = xxh3_128(h_{i-1} | tokens[i*c:(i+1)*c])
     key(i, layers, kind) = xxh3_128(h_i | kind | layer range)
 
-Only full chunks get keys. A context's partial tail (fewer than ``chunk_tokens`` tokens) is never stored:
-it is recomputed together with the query, so a stored record always holds exactly ``chunk_tokens`` tokens.
+A context's partial tail (fewer than ``chunk_tokens`` tokens) gets no key of this chain: a prefix lookup and a
+restoration work in full chunks, and a tail is recomputed together with the query. One exception, by its own key:
+the engine stores a *preempted* sequence's tail (tail_keys), which that sequence asks for when it comes back with
+the same tokens::
+
+    t   = xxh3_128(h_k | "tail" | tokens[k*c:n])       (0 < n - k*c < c, k full chunks before it)
+
+Its input is never as long as a full chunk's (16 + 4 + 8m bytes against 16 + 8c), so no tail hash equals a chunk hash
+by construction of the input; the record holds exactly tokens [k*c, n).
 """
 
 from __future__ import annotations
@@ -43,18 +50,39 @@ def _token_bytes(token_ids) -> bytes:
     return np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64)).tobytes()
 
 
+def _seed(fingerprint: str, chunk_tokens: int) -> bytes:
+    """h_{-1}: what the first chunk's hash chains on."""
+    return xxhash.xxh3_128(f"kvflow|{fingerprint}|{chunk_tokens}".encode()).digest()
+
+
 def prefix_hashes(token_ids, fingerprint: str, chunk_tokens: int) -> list[bytes]:
     """One 16-byte hash per *full* chunk of ``token_ids``, each covering the whole prefix up to its end."""
     assert chunk_tokens > 0
     raw = _token_bytes(token_ids)
     n_full = len(raw) // 8 // chunk_tokens
     step = chunk_tokens * 8
-    prev = xxhash.xxh3_128(f"kvflow|{fingerprint}|{chunk_tokens}".encode()).digest()
+    prev = _seed(fingerprint, chunk_tokens)
     out = []
     for i in range(n_full):
         prev = xxhash.xxh3_128(prev + raw[i * step:(i + 1) * step]).digest()
         out.append(prev)
     return out
+
+
+def tail_keys(token_ids, fingerprint: str, chunk_tokens: int, layer_groups: list[tuple[int, int]],
+              kind: str = "kv") -> list[ChunkKey]:
+    """Keys of the partial chunk at the end of ``token_ids`` (tokens [k*c, n) after its k full chunks), one per
+    layer group; [] when ``token_ids`` ends on a chunk boundary. Names exactly this prefix: the same tokens and
+    nothing more or less (module docstring)."""
+    raw = _token_bytes(token_ids)
+    n = len(raw) // 8
+    k = n // chunk_tokens
+    if n == k * chunk_tokens:
+        return []
+    prev = prefix_hashes(token_ids, fingerprint, chunk_tokens)[-1] if k else _seed(fingerprint, chunk_tokens)
+    h = xxhash.xxh3_128(prev + b"tail" + raw[k * chunk_tokens * 8:]).digest()
+    return [ChunkKey(record_digest(h, layer_tail(g, kind)), fingerprint, (k * chunk_tokens, n), g, kind)
+            for g in layer_groups]
 
 
 def layer_tail(layers: tuple[int, int], kind: str = "kv") -> bytes:

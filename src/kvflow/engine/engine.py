@@ -145,9 +145,8 @@ class LLMEngine:
         self._restorer = (ThreadPoolExecutor(1, thread_name_prefix="kvflow-restore", initializer=single_threaded)
                           if self.pool else None)     # one OpenMP team per process: kvflow/threads.py
         self._jobs: list[_RestoreJob] = []
-        self.scheduler = Scheduler(cfg, self.blocks, self.pool.lookup if self.pool else None, self._store,
-                                   self.pool.choose if self.pool else None,
-                                   self.pool.chunk_tokens if self.pool else 0)
+        self.scheduler = Scheduler(cfg, self.blocks, self.pool.lookup if self.pool else None, self._store_preempted,
+                                   self.pool.choose if self.pool else None)
         if self.elastic is not None:
             self.elastic.attach(self)
         eos = getattr(runner.hf_model.generation_config, "eos_token_id", None)
@@ -409,6 +408,13 @@ class LLMEngine:
     def _store(self, seq: Sequence) -> None:
         if self.pool is not None and seq.block_table:
             self.pool.store(seq.token_ids, seq.num_computed, self.cache, seq.block_table)
+
+    def _store_preempted(self, seq: Sequence) -> None:
+        """A preempted (or swapped) sequence's KV; a decoder's partial last chunk too: it comes back with exactly
+        these tokens (its lookup asks for that tail) and reads them instead of computing them again."""
+        if self.pool is not None and seq.block_table:
+            self.pool.store(seq.token_ids, seq.num_computed, self.cache, seq.block_table,
+                            tail=seq.num_computed == seq.num_tokens - 1)
 
     # ------------------------------------------------------------------------------------ one-shot
     def generate(self, prompts: list[list[int] | str], params: SamplingParams | list[SamplingParams] | None = None

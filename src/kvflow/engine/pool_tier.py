@@ -5,13 +5,15 @@ the first token is predicted soonest: a prefill from the resident blocks, a load
 step): the records past the resident blocks are read straight into the sequence's blocks and the step computes the
 rest beside the other sequences. Restore (in the step): the restorer rebuilds that prefix with the configured
 strategy (``cacheflow`` by default; several requests restoring in one step go through the batch-aware scheduler)
-and prefills this step's slice of the prompt after it; the engine copies the KV into the sequence's blocks. Store (a sequence finishes or is preempted): the full pool chunks of its
-computed KV are copied out of the blocks on the engine thread and written by a writer thread through a bounded
-queue — when the queue is full the write is dropped and counted, the engine never waits for the pool.
+and prefills this step's slice of the prompt after it; the engine copies the KV into the sequence's blocks. Store
+(a sequence finishes or is preempted): the full pool chunks of its computed KV are copied out of the blocks on the
+engine thread and written by a writer thread through a bounded queue — when the queue is full the write is dropped
+and counted, the engine never waits for the pool.
 
 Chunks and blocks need not align: a chunk is a token range [i*C, (i+1)*C) of the sequence, read from whichever
-blocks hold those positions; only full chunks are stored (a partial chunk never is), and a restored prefix is a
-whole number of chunks whose KV is written into blocks position by position.
+blocks hold those positions; only full chunks are stored — except a preempted decoder's partial last chunk, under a
+key of its exact tokens (chunks/keys.py ``tail_keys``), which only that sequence's return asks for — and a restored
+prefix is a whole number of chunks whose KV is written into blocks position by position.
 """
 
 from __future__ import annotations
@@ -45,12 +47,17 @@ class PoolTier:
 
     # ------------------------------------------------------------------------------------ reading
     def lookup(self, token_ids: list[int]) -> int:
-        """Tokens of the longest stored prefix of ``token_ids`` (a multiple of the chunk size)."""
-        if len(token_ids) < self.chunk_tokens:
-            return 0
+        """Tokens of the longest stored prefix of ``token_ids``: whole chunks, or all of ``token_ids`` when every
+        chunk and the partial one after them are stored (a preempted sequence's tail, ``store(tail=True)``)."""
         self.counters["lookups"] += 1
-        req, _ = self.restorer.lookup(torch.as_tensor(token_ids, dtype=torch.long), 1)
-        return req.stored_chunks * self.chunk_tokens
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        req, _ = self.restorer.lookup(ids, 1) if len(token_ids) >= self.chunk_tokens else (None, None)
+        stored = req.stored_chunks * self.chunk_tokens if req is not None else 0
+        if len(token_ids) - stored < self.chunk_tokens:                  # every full chunk: is the tail there too?
+            tail = self.restorer.tail_keys(ids)
+            if tail and all(self.pool.contains(tail)):
+                return len(token_ids)
+        return stored
 
     def choose(self, num_tokens: int, resident: int, stored: int) -> tuple[str, float]:
         """The way a prompt of ``num_tokens`` gets to its first-token logits from what is cached — resident blocks
@@ -77,7 +84,7 @@ class PoolTier:
             return "prefill", prefill
         ways = {"prefill": prefill} if resident else {}
         if self.loads:
-            cells = (stored // self.chunk_tokens - resident // self.chunk_tokens) * L
+            cells = (-(-stored // self.chunk_tokens) - resident // self.chunk_tokens) * L   # a stored tail: a chunk
             ways["load"] = (self.restorer.io_model().read_time(cells)
                             + cost.added_time(num_tokens - stored, stored, L))
         ways["restore"] = self._restoration_s(num_tokens, stored)
@@ -103,12 +110,13 @@ class PoolTier:
         return self._plans[key]
 
     def load(self, token_ids: list[int], start: int, stop: int, cache: PagedKVCache, block_table: list[int]) -> int:
-        """Copy the stored KV of positions [start, stop) (``stop`` whole chunks) from the pool into the sequence's
-        blocks, chunk by chunk, every layer; returns where it stopped: ``stop``, or the start of the first chunk
-        with a record missing, foreign or failing its checks (a miss: the caller computes from there). No planner,
-        no model: what a resident prefix leaves of a pool hit is only read."""
+        """Copy the stored KV of positions [start, stop) (whole chunks, and a stored tail where ``stop`` ends inside
+        one) from the pool into the sequence's blocks, chunk by chunk, every layer; returns where it stopped:
+        ``stop``, or the start of the first chunk with a record missing, foreign or failing its checks (a miss: the
+        caller computes from there). No planner, no model: what a resident prefix leaves of a pool hit is only read."""
         C = self.chunk_tokens
-        rows = self.restorer.keys(torch.as_tensor(token_ids[:stop], dtype=torch.long))[start // C:]
+        ids = torch.as_tensor(token_ids[:stop], dtype=torch.long)
+        rows = self.restorer.keys(ids)[start // C:] + [row for row in [self.restorer.tail_keys(ids)] if row]
         got = self.pool.get_many([k for row in rows for k in row])
         done = start
         for row in rows:
@@ -147,12 +155,16 @@ class PoolTier:
         return results
 
     # ------------------------------------------------------------------------------------ writing
-    def store(self, token_ids: list[int], num_computed: int, cache: PagedKVCache, block_table: list[int]) -> None:
-        """Queue the full chunks of positions [0, num_computed) that the pool does not hold yet."""
-        n = num_computed // self.chunk_tokens * self.chunk_tokens
-        if n == 0 or self.writes.closed:
+    def store(self, token_ids: list[int], num_computed: int, cache: PagedKVCache, block_table: list[int],
+              tail: bool = False) -> None:
+        """Queue the full chunks of positions [0, num_computed) that the pool does not hold yet; with ``tail`` (a
+        preempted sequence, which comes back with these very tokens) the partial chunk after them too."""
+        if num_computed == 0 or self.writes.closed:
             return
-        keys = [k for row in self.restorer.keys(torch.as_tensor(token_ids[:n], dtype=torch.long)) for k in row]
+        ids = torch.as_tensor(token_ids[:num_computed], dtype=torch.long)
+        keys = [k for row in self.restorer.keys(ids) for k in row] + (self.restorer.tail_keys(ids) if tail else [])
+        if not keys:
+            return
         missing = [k for k, ok in zip(keys, self.pool.contains(keys)) if not ok]
         if not missing:
             return

@@ -115,10 +115,9 @@ class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager,
                  pool_lookup: Callable[[list[int]], int] | None = None,
                  on_preempt: Callable[[Sequence], None] | None = None,
-                 choose: Callable[[int, int, int], tuple[str, float]] | None = None, pool_chunk: int = 0):
+                 choose: Callable[[int, int, int], tuple[str, float]] | None = None):
         self.config, self.blocks = config, blocks
         self.pool_lookup, self.on_preempt = pool_lookup, on_preempt
-        self.pool_chunk = pool_chunk       # tokens per pool chunk (0: no pool)
         # (num_tokens, resident hit, pool hit) -> (the way to the first token predicted soonest: "prefill", "load"
         # or "restore"; its predicted work, the remaining-work rank). PoolTier.choose; without a pool: tokens
         self.choose = choose or _tokens_left
@@ -319,8 +318,7 @@ class Scheduler:
             return
         victims = sorted((s for s in self.running if s.first_token_s is not None and not s.restoring
                           and s.num_swaps < self.config.max_swaps),
-                         key=lambda s: (self._return_tokens(s), -(s.params.max_tokens - s.num_output),
-                                        -len(s.block_table)))
+                         key=lambda s: (s.params.max_tokens - s.num_output, len(s.block_table)), reverse=True)
         if self.config.scheduling_policy == "remaining-work":
             # a decoder is swapped only when the head's prefill takes fewer steps than the decoder has tokens left:
             # the swap costs the decoder that many steps and saves the head its remaining answer
@@ -346,12 +344,6 @@ class Scheduler:
             self._preempt(v)
             v.num_swaps += 1
             out.swapped.append(v)
-
-    def _return_tokens(self, seq: Sequence) -> int:
-        """Tokens a decoder swapped out now computes again when it comes back: those after the last full pool chunk
-        of what it computed (the pool stores only full chunks; the rest is loaded or restored)."""
-        C = self.pool_chunk
-        return seq.num_tokens - seq.num_computed // C * C if C else seq.num_tokens
 
     def _victim(self) -> Sequence:
         """The most recently admitted running sequence not being restored (the one asking is always a candidate)."""
