@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvflow.bench.matrix import QUICK, SHAPES, MatrixOptions, estimate_s, plan, reason, verdict
+from kvflow.bench.matrix import QUICK, SHAPES, MatrixOptions, diagnostics, estimate_s, plan, reason, verdict
 from kvflow.cli.main import main
 from kvflow.demo.chat import ChatWorkload, longest_history_tokens, sessions, working_set_tokens
 
@@ -79,9 +79,22 @@ def test_a_missed_cell_names_its_measured_differences():
             "vllm_errors": 0}
     text = reason(diag)
     assert "less reuse: cached 0.30 vs 0.60" in text and "slower steps: ITL P50 120 vs 60 ms" in text
-    assert "restores 3, swaps 0, preemptions 2" in text and "queueing" not in text
+    assert "loads 0, restores 3, swaps 0, preemptions 2" in text and "queueing" not in text
     same = reason({**diag, "kvflow_cached": 0.6, "itl_p50_ratio": 1.0, "kvflow_itl_p50_ms": 60.0})
     assert same.startswith("same reuse and step speed: queueing") and "less reuse" not in same
+    slow = {"user": 5, "round": 0, "ttft_s": 4.78, "prompt_tokens": 594, "cached_tokens": 16}
+    assert "slowest: a cold prompt (user 5 turn 0, 16 of 594 tokens cached) at 4.78 s" in reason(
+        {**diag, "kvflow_slowest": slow})
+    assert "a reused prompt" in reason({**diag, "kvflow_slowest": {**slow, "cached_tokens": 500}})
+
+
+def test_the_slowest_request_is_taken_from_the_records_that_succeeded():
+    from kvflow.demo.chat import TurnRecord
+    side = {"cached_share": 0.5, "itl_p50_s": 0.05, "errors": 1}
+    records = [TurnRecord(0, 0, 100, 0, 4, 1.5), TurnRecord(1, 0, 100, 0, 0, 9.0, error="500"),
+               TurnRecord(1, 1, 120, 96, 4, 2.5)]
+    diag = diagnostics(side, side, {}, records)
+    assert diag["kvflow_slowest"]["user"] == 1 and diag["kvflow_slowest"]["ttft_s"] == 2.5
 
 
 def test_the_plan_groups_cells_by_workload_and_budget_and_quick_is_small():

@@ -117,13 +117,20 @@ def verdict(workload: str, budget: str, ratios: dict, goals: Goals = Goals()) ->
 
 def reason(diag: dict) -> str:
     """What the measurements of a cell say (``diag``: ``diagnostics``' dict): the cached prompt shares, step speed
-    (ITL P50) and kvflow's pool traffic, each flagged where it differs; neither flagged: queueing (scheduling)."""
+    (ITL P50) and kvflow's pool traffic, each flagged where it differs; neither flagged: queueing (scheduling); and
+    kvflow's slowest request (what its P99 is made of): cold (under a tenth of its prompt cached) or not."""
     less_reuse = diag["kvflow_cached"] < diag["vllm_cached"] - 0.05
     slower = diag["itl_p50_ratio"] > 1.2
     out = [f"{'less reuse: ' if less_reuse else ''}cached {diag['kvflow_cached']:.2f} vs {diag['vllm_cached']:.2f}",
            f"{'slower steps: ' if slower else ''}ITL P50 {diag['kvflow_itl_p50_ms']:.0f} vs "
            f"{diag['vllm_itl_p50_ms']:.0f} ms",
-           f"restores {diag['restores']}, swaps {diag['swaps']}, preemptions {diag['preemptions']}"]
+           f"loads {diag.get('loads', 0)}, restores {diag['restores']}, swaps {diag['swaps']}, "
+           f"preemptions {diag['preemptions']}"]
+    slow = diag.get("kvflow_slowest")
+    if slow:
+        cold = "a cold prompt" if slow["cached_tokens"] < slow["prompt_tokens"] / 10 else "a reused prompt"
+        out.append(f"kvflow's slowest: {cold} (user {slow['user']} turn {slow['round']}, {slow['cached_tokens']} "
+                   f"of {slow['prompt_tokens']} tokens cached) at {slow['ttft_s']:.2f} s")
     if diag["kvflow_errors"] or diag["vllm_errors"]:
         out.insert(0, f"errors {diag['kvflow_errors']} vs {diag['vllm_errors']}")
     if not (less_reuse or slower or diag["kvflow_errors"]):
@@ -131,9 +138,12 @@ def reason(diag: dict) -> str:
     return "; ".join(out)
 
 
-def diagnostics(kv: dict, vl: dict, split: dict | None) -> dict:
-    """The measured why of a cell: cached prompt shares, kvflow's engine counters, ITL P50s, errors."""
+def diagnostics(kv: dict, vl: dict, split: dict | None, records: list | None = None) -> dict:
+    """The measured why of a cell: cached prompt shares, kvflow's engine counters, ITL P50s, errors, and kvflow's
+    slowest request (``records``: its TurnRecords)."""
     split = split or {}
+    done = [r for r in records or () if r.error is None and math.isfinite(r.ttft_s)]
+    slowest = max(done, key=lambda r: r.ttft_s, default=None)
     counters = split.get("pool_counters", {})
     return {"kvflow_cached": split.get("resident", 0.0) + split.get("pool", 0.0), "vllm_cached": vl["cached_share"],
             "kvflow_resident": split.get("resident", 0.0), "kvflow_pool": split.get("pool", 0.0),
@@ -142,7 +152,8 @@ def diagnostics(kv: dict, vl: dict, split: dict | None) -> dict:
             "swaps": split.get("swaps", 0), "preemptions": split.get("preemptions", 0),
             "kvflow_itl_p50_ms": kv["itl_p50_s"] * 1e3, "vllm_itl_p50_ms": vl["itl_p50_s"] * 1e3,
             "itl_p50_ratio": _ratio(kv["itl_p50_s"], vl["itl_p50_s"]),
-            "kvflow_errors": kv["errors"], "vllm_errors": vl["errors"]}
+            "kvflow_errors": kv["errors"], "vllm_errors": vl["errors"],
+            "kvflow_slowest": None if slowest is None else _turns([slowest])[0]}
 
 
 def _turns(records: list) -> list[dict]:
@@ -315,7 +326,7 @@ def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None]
                     kv = kvflow_round(o_g, p, w, "cacheflow", None, (vllm.process.pid,))
                 ratios = {k: _ratio(kv[1][k], vl[1][k]) for k in RATIO_KEYS}
                 cell = Cell(c, p.kv_tokens, p.working_set_tokens, "kvflow, vllm" if kv_first else "vllm, kvflow",
-                            kv[1], vl[1], ratios, verdict(workload, budget, ratios), diagnostics(kv[1], vl[1], kv[2]),
+                            kv[1], vl[1], ratios, verdict(workload, budget, ratios), diagnostics(kv[1], vl[1], kv[2], kv[0]),
                             load, {"kvflow": _turns(kv[0]), "vllm": _turns(vl[0])})
                 cells.append(cell)
                 elapsed = time.perf_counter() - t_start

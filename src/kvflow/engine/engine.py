@@ -323,9 +323,9 @@ class LLMEngine:
         return outputs
 
     def _load(self, s) -> None:
-        """A pool hit admitted over resident blocks: the records of [num_computed, pool_load) are read into the
-        sequence's blocks (PoolTier.load) and the step computes from where they end — from the first miss on, if
-        a record is missing or bad (a miss, never a wrong token)."""
+        """A pool hit admitted as a load (PoolTier.choose): the records of [num_computed, pool_load) — past the
+        resident blocks — are read into the sequence's blocks (PoolTier.load) and the step computes from where
+        they end; from the first miss on if a record is missing or bad (a miss, never a wrong token)."""
         seq = s.seq
         try:
             got = self.pool.load(seq.token_ids, seq.num_computed, seq.pool_load, self.cache, seq.block_table)

@@ -351,11 +351,9 @@ class Scheduler:
 
     def _way(self, num_tokens: int, resident: int, stored: int) -> tuple[str, int, float]:
         """How a request admitted now gets to its first token, the pool hit that way uses (0: none) and its
-        predicted work: the pool
-        hit counts when it adds at least ``pool_min_tokens`` to the resident hit; then ``choose`` (PoolTier's
-        three predictions) says whether it is loaded into the blocks past the resident hit, restored by the
-        strategy (all of [0, stored)), or left for a prefill of [resident, n) — a swapped-out answer whose shared
-        document stayed resident is continued by a short prefill rather than a rebuild of all of it."""
+        predicted work. The pool hit counts when it adds at least ``pool_min_tokens`` to the resident hit; then
+        ``choose`` (PoolTier's three predictions) says whether it is loaded into the blocks past the resident hit,
+        restored by the strategy (all of [0, stored)), or left for a prefill of [resident, n)."""
         if stored < resident + self.config.pool_min_tokens:
             stored = 0
         way, work = self.choose(num_tokens, resident, stored)

@@ -35,7 +35,7 @@ class Sequence:
     resident_hit_tokens: int = 0     # prompt tokens whose KV came from resident blocks (first admission)
     pool_hit_tokens: int = 0         # ... restored from the pool
     pool_restore: int = 0            # at admission: tokens [0, pool_restore) to restore from the pool this step
-    pool_load: int = 0               # ... or, over a resident prefix, tokens [num_computed, pool_load) to load
+    pool_load: int = 0               # ... or tokens [num_computed, pool_load) to read into its blocks (a load)
     restoring: bool = False          # a pool restoration of this sequence is in flight (async_restore)
     abort_pending: bool = False      # aborted while restoring: freed when the restoration returns
     num_preemptions: int = 0          # preempted or swapped out, any number of times

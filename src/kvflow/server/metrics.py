@@ -103,7 +103,7 @@ class _EngineCollector:
         c = pool.counters if pool is not None else {}
         yield counter("kvflow_pool_restores", "restorations from the pool", c.get("restores", 0))
         yield counter("kvflow_pool_restore_errors", "restorations that failed (recomputed)", c.get("restore_errors", 0))
-        yield counter("kvflow_pool_loads", "pool hits over resident blocks read into them", c.get("loads", 0))
+        yield counter("kvflow_pool_loads", "pool hits read straight into their blocks", c.get("loads", 0))
         yield counter("kvflow_pool_load_tokens", "tokens those loads read", c.get("load_tokens", 0))
         yield counter("kvflow_pool_load_errors", "loads that failed (recomputed)", c.get("load_errors", 0))
         yield counter("kvflow_pool_writes_dropped", "pool writes dropped because the write queue was full",
