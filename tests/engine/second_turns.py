@@ -48,6 +48,7 @@ class Result:
     seconds: float = 0.0
     swaps: int = 0
     restores: int = 0
+    loads: int = 0
 
     def waits(self, turn: int, unit: str = "steps") -> list[float]:
         if unit == "steps":
@@ -89,6 +90,7 @@ def run(runner, policy: str, shape: Shape, pool: bool = True) -> Result:
         step += 1
     res.steps, res.seconds, res.swaps = eng.stats.steps, time.perf_counter() - t0, eng.stats.swaps
     res.restores = eng.pool.counters["restores"] if eng.pool is not None else 0
+    res.loads = eng.pool.counters["loads"] if eng.pool is not None else 0
     eng.close()
     return res
 
@@ -97,12 +99,12 @@ def table(results: list[Result]) -> str:
     def p99(xs):
         return sorted(xs)[max(0, int(round(0.99 * len(xs))) - 1)]
     lines = [f"{'policy':<15} {'2nd turn steps max/mean':>24} {'2nd s max/mean':>16} {'1st steps max/mean':>19} "
-             f"{'3rd steps max':>13} {'steps':>6} {'s':>6} {'swaps':>5} {'restores':>8}"]
+             f"{'3rd steps max':>13} {'steps':>6} {'s':>6} {'swaps':>5} {'loads':>5} {'restores':>8}"]
     for r in results:
         s2, s2s, s1, s3 = r.waits(2), r.waits(2, "s"), r.waits(1), r.waits(3)
         lines.append(f"{r.policy:<15} {p99(s2):>14} / {sum(s2) / len(s2):>7.1f} {p99(s2s):>7.2f} / {sum(s2s) / len(s2s):>6.2f}"
                      f" {p99(s1):>9} / {sum(s1) / len(s1):>7.1f} {max(s3) if s3 else 0:>13} {r.steps:>6}"
-                     f" {r.seconds:>6.1f} {r.swaps:>5} {r.restores:>8}")
+                     f" {r.seconds:>6.1f} {r.swaps:>5} {r.loads:>5} {r.restores:>8}")
     return "\n".join(lines)
 
 
