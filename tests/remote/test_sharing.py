@@ -80,10 +80,12 @@ def test_two_kvflow_serve_processes_share_a_long_context_through_the_cluster(clu
                 break
             seen = n
             time.sleep(0.5)
-        assert _metric(ports[1], "kvflow_pool_restores") == 0
+        def from_the_pool() -> float:    # a restoration, or a load into the blocks (whichever was predicted sooner)
+            return _metric(ports[1], "kvflow_pool_restores") + _metric(ports[1], "kvflow_pool_loads")
+        assert from_the_pool() == 0
         second = httpx.post(f"http://127.0.0.1:{ports[1]}/v1/completions", json=body, timeout=120).json()
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
-        assert _metric(ports[1], "kvflow_pool_restores") == 1          # the second engine restored, not prefilled
+        assert from_the_pool() == 1          # the second engine took the context from the cluster, not prefilled
     finally:
         for proc in procs:
             proc.kill()
