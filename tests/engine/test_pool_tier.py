@@ -1,6 +1,6 @@
 """The pool is the tier below the resident blocks: a prefix not resident is loaded or restored from the pool by any
-strategy, the way predicted soonest, and the output still equals generate; finished and preempted sequences are stored asynchronously; a full write
-queue drops (and counts) writes instead of blocking the engine."""
+strategy, the way predicted soonest, and the output still equals generate; finished and preempted sequences are
+stored asynchronously; a full write queue drops (and counts) writes instead of blocking the engine."""
 
 import threading
 
@@ -62,7 +62,7 @@ def test_the_way_to_a_first_token_is_the_one_predicted_soonest(tiny, restorer):
     tier = PoolTier(restorer)
     assert tier.choose(200, 0, 128)[0] == "load" and tier.choose(200, 64, 128)[0] == "load"
     assert tier.choose(200, 100, 0)[0] == "prefill" and tier.choose(200, 128, 128)[0] == "prefill"
-    way, seconds = tier.choose(200, 64, 128)
+    _, seconds = tier.choose(200, 64, 128)
     assert seconds == tier.predicted_s(200, 64, 128) < tier.predicted_s(200, 64, 0)
     for no_loads in (PoolTier(restorer, "recompute"), PoolTier(restorer, load=False)):
         assert no_loads.choose(200, 0, 128)[0] == "restore"

@@ -326,8 +326,9 @@ def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None]
                     kv = kvflow_round(o_g, p, w, "cacheflow", None, (vllm.process.pid,))
                 ratios = {k: _ratio(kv[1][k], vl[1][k]) for k in RATIO_KEYS}
                 cell = Cell(c, p.kv_tokens, p.working_set_tokens, "kvflow, vllm" if kv_first else "vllm, kvflow",
-                            kv[1], vl[1], ratios, verdict(workload, budget, ratios), diagnostics(kv[1], vl[1], kv[2], kv[0]),
-                            load, {"kvflow": _turns(kv[0]), "vllm": _turns(vl[0])})
+                            kv[1], vl[1], ratios, verdict(workload, budget, ratios),
+                            diagnostics(kv[1], vl[1], kv[2], kv[0]), load,
+                            {"kvflow": _turns(kv[0]), "vllm": _turns(vl[0])})
                 cells.append(cell)
                 elapsed = time.perf_counter() - t_start
                 left = elapsed / len(cells) * (len(cells_planned) - len(cells))

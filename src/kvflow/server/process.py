@@ -88,7 +88,8 @@ def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int,
         restorer = Restorer(runner, pool, cost=cost)
     cfg = EngineConfig(block_size=block_size, kv_budget=kv_budget, strategy=strategy or "cacheflow",
                        max_num_batched_tokens=max_num_batched_tokens, activation_reserve=activation_reserve,
-                       pool_load=pool_load, **({} if scheduling_policy is None else {"scheduling_policy": scheduling_policy}))
+                       pool_load=pool_load,
+                       **({} if scheduling_policy is None else {"scheduling_policy": scheduling_policy}))
     cfg.validate()
     return LLMEngine(runner, cfg, restorer=restorer, tokenizer=tokenizer or ByteTokenizer(runner.config.vocab_size))
 
