@@ -100,8 +100,9 @@ class Restorer:
         self.groups = layer_groups(runner.num_layers, 1)
 
     # ------------------------------------------------------------------------------------- storing
-    def keys(self, token_ids: torch.Tensor) -> list[list[ChunkKey]]:
-        return chunk_keys(token_ids, self.runner.fingerprint, self.chunk_tokens, self.groups)
+    def keys(self, token_ids: torch.Tensor, tail: bool = False) -> list[list[ChunkKey]]:
+        """Record keys per full chunk (a row per chunk); ``tail``: and the partial chunk after them (chunks/keys.py)."""
+        return chunk_keys(token_ids, self.runner.fingerprint, self.chunk_tokens, self.groups, tail=tail)
 
     def tail_keys(self, token_ids: torch.Tensor) -> list[ChunkKey]:
         """Keys of the partial chunk at the end of ``token_ids`` ([] on a chunk boundary): chunks/keys.py."""

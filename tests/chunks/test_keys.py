@@ -67,3 +67,5 @@ def test_a_tail_key_names_exactly_its_tokens_and_everything_before_them(ids, chu
     shorter = tail_keys(ids[:-1], FP, chunk, [(0, 2), (2, 3)])
     assert not shorter or shorter[0].digest != keys[0].digest
     assert tail_keys(torch.tensor(ids), FP, chunk, [(0, 2), (2, 3)]) == keys
+    groups = [(0, 2), (2, 3)]
+    assert chunk_keys(ids, FP, chunk, groups, tail=True) == chunk_keys(ids, FP, chunk, groups) + [keys]

@@ -74,12 +74,18 @@ def tail_keys(token_ids, fingerprint: str, chunk_tokens: int, layer_groups: list
     """Keys of the partial chunk at the end of ``token_ids`` (tokens [k*c, n) after its k full chunks), one per
     layer group; [] when ``token_ids`` ends on a chunk boundary. Names exactly this prefix: the same tokens and
     nothing more or less (module docstring)."""
+    return _tail_row(token_ids, prefix_hashes(token_ids, fingerprint, chunk_tokens), fingerprint, chunk_tokens,
+                     layer_groups, kind)
+
+
+def _tail_row(token_ids, hashes: list[bytes], fingerprint: str, chunk_tokens: int,
+              layer_groups: list[tuple[int, int]], kind: str) -> list[ChunkKey]:
+    """tail_keys from the full chunks' ``hashes`` (prefix_hashes of the same ids), chained on the last of them."""
     raw = _token_bytes(token_ids)
-    n = len(raw) // 8
-    k = n // chunk_tokens
+    n, k = len(raw) // 8, len(hashes)
     if n == k * chunk_tokens:
         return []
-    prev = prefix_hashes(token_ids, fingerprint, chunk_tokens)[-1] if k else _seed(fingerprint, chunk_tokens)
+    prev = hashes[-1] if hashes else _seed(fingerprint, chunk_tokens)
     h = xxhash.xxh3_128(prev + b"tail" + raw[k * chunk_tokens * 8:]).digest()
     return [ChunkKey(record_digest(h, layer_tail(g, kind)), fingerprint, (k * chunk_tokens, n), g, kind)
             for g in layer_groups]
@@ -102,10 +108,14 @@ def record_key(prefix_hash: bytes, fingerprint: str, index: int, chunk_tokens: i
 
 
 def chunk_keys(token_ids, fingerprint: str, chunk_tokens: int, layer_groups: list[tuple[int, int]],
-               kind: str = "kv") -> list[list[ChunkKey]]:
-    """keys[i][g]: record of full chunk i, layer group g."""
-    return [[record_key(h, fingerprint, i, chunk_tokens, g, kind) for g in layer_groups]
-            for i, h in enumerate(prefix_hashes(token_ids, fingerprint, chunk_tokens))]
+               kind: str = "kv", tail: bool = False) -> list[list[ChunkKey]]:
+    """keys[i][g]: record of full chunk i, layer group g; with ``tail``, a last row of tail_keys where the ids end
+    inside a chunk (one pass over the prefix hashes for both)."""
+    hashes = prefix_hashes(token_ids, fingerprint, chunk_tokens)
+    rows = [[record_key(h, fingerprint, i, chunk_tokens, g, kind) for g in layer_groups]
+            for i, h in enumerate(hashes)]
+    last = _tail_row(token_ids, hashes, fingerprint, chunk_tokens, layer_groups, kind) if tail else []
+    return rows + [last] if last else rows
 
 
 def layer_groups(num_layers: int, layers_per_record: int) -> list[tuple[int, int]]:

@@ -405,16 +405,14 @@ class LLMEngine:
         return RequestOutput(seq.seq_id, [token], delta, finished, seq.finish_reason, seq.num_prompt_tokens,
                              seq.num_output, seq.resident_hit_tokens + seq.pool_hit_tokens)
 
-    def _store(self, seq: Sequence) -> None:
+    def _store(self, seq: Sequence, tail: bool = False) -> None:
         if self.pool is not None and seq.block_table:
-            self.pool.store(seq.token_ids, seq.num_computed, self.cache, seq.block_table)
+            self.pool.store(seq.token_ids, seq.num_computed, self.cache, seq.block_table, tail=tail)
 
     def _store_preempted(self, seq: Sequence) -> None:
         """A preempted (or swapped) sequence's KV; a decoder's partial last chunk too: it comes back with exactly
         these tokens (its lookup asks for that tail) and reads them instead of computing them again."""
-        if self.pool is not None and seq.block_table:
-            self.pool.store(seq.token_ids, seq.num_computed, self.cache, seq.block_table,
-                            tail=seq.num_computed == seq.num_tokens - 1)
+        self._store(seq, tail=seq.num_computed == seq.num_tokens - 1)
 
     # ------------------------------------------------------------------------------------ one-shot
     def generate(self, prompts: list[list[int] | str], params: SamplingParams | list[SamplingParams] | None = None

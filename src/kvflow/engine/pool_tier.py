@@ -51,8 +51,8 @@ class PoolTier:
         chunk and the partial one after them are stored (a preempted sequence's tail, ``store(tail=True)``)."""
         self.counters["lookups"] += 1
         ids = torch.as_tensor(token_ids, dtype=torch.long)
-        req, _ = self.restorer.lookup(ids, 1) if len(token_ids) >= self.chunk_tokens else (None, None)
-        stored = req.stored_chunks * self.chunk_tokens if req is not None else 0
+        stored = (self.restorer.lookup(ids, 1)[0].stored_chunks * self.chunk_tokens
+                  if len(token_ids) >= self.chunk_tokens else 0)
         if len(token_ids) - stored < self.chunk_tokens:                  # every full chunk: is the tail there too?
             tail = self.restorer.tail_keys(ids)
             if tail and all(self.pool.contains(tail)):
@@ -116,7 +116,7 @@ class PoolTier:
         caller computes from there). No planner, no model: what a resident prefix leaves of a pool hit is only read."""
         C = self.chunk_tokens
         ids = torch.as_tensor(token_ids[:stop], dtype=torch.long)
-        rows = self.restorer.keys(ids)[start // C:] + [row for row in [self.restorer.tail_keys(ids)] if row]
+        rows = self.restorer.keys(ids, tail=True)[start // C:]      # a stored tail is the last row
         got = self.pool.get_many([k for row in rows for k in row])
         done = start
         for row in rows:
@@ -162,7 +162,7 @@ class PoolTier:
         if num_computed == 0 or self.writes.closed:
             return
         ids = torch.as_tensor(token_ids[:num_computed], dtype=torch.long)
-        keys = [k for row in self.restorer.keys(ids) for k in row] + (self.restorer.tail_keys(ids) if tail else [])
+        keys = [k for row in self.restorer.keys(ids, tail=tail) for k in row]
         if not keys:
             return
         missing = [k for k, ok in zip(keys, self.pool.contains(keys)) if not ok]
