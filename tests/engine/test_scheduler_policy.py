@@ -235,3 +235,32 @@ def test_a_pool_hit_over_a_resident_prefix_is_loaded_only_when_predicted_sooner_
             assert [s.seq for s in out.scheduled] == [seq]
             assert seq.num_computed == 288 and seq.pool_load == expected and seq.pool_restore == 0   # a load
             assert out.scheduled[0].start == (expected or 288)
+
+
+def test_a_request_that_is_done_before_the_heads_blocks_are_free_passes_it_without_delaying_it():
+    # A holds 25 of 40 blocks and decodes 40 tokens; B (16 blocks) waits for them; C (9 blocks, 2 tokens) ranks after
+    # B (the same power of two, later) but fits beside A's growth and is done long before A frees B's blocks
+    arrivals = [Arrival(0, 400, max_tokens=40), Arrival(3, 250), Arrival(4, 130, max_tokens=2)]
+    first, _, _ = run_queue("remaining-work", arrivals, num_blocks=40)
+    alone, _, _ = run_queue("remaining-work", arrivals[:2], num_blocks=40)
+    assert first[2] == 4                                  # in the step it arrives
+    assert first[1] == alone[1] > 40                      # B gets its blocks when A is done, as without C
+
+
+def test_a_request_that_would_still_hold_its_blocks_when_the_heads_are_free_does_not_pass_it():
+    # C's answer outlasts A's: admitted before B it could still hold blocks B needs when A is done
+    arrivals = [Arrival(0, 400, max_tokens=40), Arrival(3, 250), Arrival(4, 130, max_tokens=60)]
+    first, _, _ = run_queue("remaining-work", arrivals, num_blocks=40)
+    assert first[2] >= first[1]
+
+
+def test_decoders_sharing_a_prefix_are_swapped_together_when_only_both_make_room():
+    # A and B share a 128-token prefix (8 blocks) and hold one block of their own each: swapped alone, either frees
+    # one block; together they free ten — enough for C's 15, so C does not wait for their answers
+    shared = list(range(128))
+    arrivals = [Arrival(0, 144, max_tokens=30, tokens=shared + [500] * 16),
+                Arrival(1, 144, max_tokens=30, tokens=shared + [600] * 16), Arrival(3, 240)]
+    first, seqs, _ = run_queue("remaining-work", arrivals, num_blocks=22, pool_lookup=lambda ids: 0, caching=True)
+    assert seqs[1].resident_hit_tokens == 128
+    assert [s.num_swaps for s in seqs[:2]] == [1, 1]
+    assert first[2] == 3

@@ -16,7 +16,7 @@ number of block tables that hold it; ``cached`` maps only to blocks whose hash i
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,9 +109,11 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self.needed(seq, self.match(seq)[0]) <= len(self.free)
 
-    def freed_by(self, seq: Sequence, keep: list[int] = ()) -> int:
-        """Blocks that ``free_seq(seq)`` would put in the free queue (held by no other table), ``keep`` aside."""
-        return sum(1 for b in seq.block_table if self.blocks[b].ref_count == 1 and b not in keep)
+    def freed_by(self, seqs: list[Sequence], keep: list[int] = ()) -> int:
+        """Blocks that ``free_seq`` of every one of ``seqs`` would put in the free queue (held by no table outside
+        them: a prefix two of them share counts once both are freed), ``keep`` aside."""
+        held = Counter(b for s in seqs for b in s.block_table)
+        return sum(1 for b, n in held.items() if self.blocks[b].ref_count == n and b not in keep)
 
     # ------------------------------------------------------------------------------------- mutations
     def allocate(self, seq: Sequence) -> int:

@@ -30,7 +30,8 @@ decoders swapped for it pause for about one answer's length (their inter-token l
 is to its first token. Each step: every decode takes its one token first; then the prefill candidates — running
 prompts still prefilling and waiting requests — are served in rank order, each taking what is left of the budget
 (a short prompt's chunk goes before a long one's, which takes the rest; a waiting one is admitted when it is reached
-and its blocks fit, and nobody is admitted past one that does not fit)::
+and its blocks fit, and nobody is admitted past one that does not fit unless it is done before that one's blocks
+are free: backfilling, below)::
 
     rank   due (passed over too long), by arrival  <  work to first token, aged, by its power of two, smallest
            first, then by arrival  <  has a token, by arrival
@@ -65,6 +66,12 @@ arrived after it (while it had no token) reach (F - 1) x its uncached tokens; du
 So at most (F - 1) x its own work goes to later arrivals before it; the rest of what precedes it arrived earlier, and
 FCFS computes that before it too. When blocks are not what it waits for, its first token comes within F x its FCFS
 steps plus two (tests/engine/test_scheduler_policy.py checks it on random queues). F = 1 is FCFS order.
+
+When the best-ranked waiting request (the head) waits for blocks, a later one is admitted past it only if that
+delays nothing (backfilling): it fits now beside the running sequences' growth to their ``max_tokens``, and it is
+done — prefill and whole answer — within the steps after which the running sequences, finishing in order, have
+freed the head's blocks. Swapped decoders waiting behind a long prompt's blocks come back in the meantime instead of
+after it; the head gets its blocks when it would have without them.
 """
 
 from __future__ import annotations
@@ -233,7 +240,7 @@ class Scheduler:
             bm.append(seq)
             out.scheduled.append(Scheduled(seq, 1, seq.num_computed))
             budget -= 1
-        admitting = not out.preempted
+        admitting, head_wait = not out.preempted, 0
         for seq in sorted([*prefilling, *self.waiting], key=self._rank):
             if budget <= 0:
                 break
@@ -244,11 +251,54 @@ class Scheduler:
                     budget -= n
             elif self._waits_for_a_prefill(seq):
                 continue                          # its prefix is being computed by a running prompt
-            elif admitting and len(self.running) < self.config.max_num_seqs and self._admit(seq, budget, out):
-                budget -= out.scheduled[-1].num_tokens
-            else:
-                admitting = False                 # nobody is admitted past a better-ranked request that waits
+            elif len(self.running) >= self.config.max_num_seqs:
+                continue                          # prompts already running still get their slices
+            elif admitting or self._backfills(seq, head_wait):
+                if self._admit(seq, budget, out):
+                    budget -= out.scheduled[-1].num_tokens
+                elif admitting:                   # the first that waits for blocks: the head
+                    admitting, head_wait = False, self._steps_to_blocks(seq)
         return out
+
+    def _steps_to_finish(self, seq: Sequence) -> int:
+        """Steps until ``seq`` is done at the latest if it runs every step: its uncached prompt at the full budget
+        (the last slice samples a token), then the rest of its answer (``max_tokens``; a stop ends it sooner)."""
+        uncached = seq.num_tokens - (seq.num_computed if seq.status is Status.RUNNING else seq.hit_tokens)
+        left = seq.params.max_tokens - seq.num_output
+        return -(-max(uncached, 1) // self.config.max_num_batched_tokens) + max(left - 1, 0)
+
+    def _growth(self, seq: Sequence) -> int:
+        """Blocks ``seq`` still takes as its answer grows to ``max_tokens`` (beyond its block table)."""
+        final = self.blocks.blocks_for(seq.num_prompt_tokens + seq.params.max_tokens)
+        return max(final - max(len(seq.block_table), self.blocks.blocks_for(seq.num_tokens)), 0)
+
+    def _steps_to_blocks(self, head: Sequence) -> int:
+        """Steps until waiting ``head``'s blocks are free at the latest: running sequences finish in the order of
+        their steps to finish, each freeing its own blocks (and those it grows into). 0: never, by finishing alone
+        (then nobody is admitted past it)."""
+        bm = self.blocks
+        hits = bm.match(head)[0]
+        needed = bm.needed(head, hits)
+        free = bm.num_free - sum(self._growth(s) for s in self.running)
+        if free >= needed:
+            return 0
+        done = []
+        for s in sorted(self.running, key=self._steps_to_finish):
+            done.append(s)
+            if free + bm.freed_by(done, keep=hits) + sum(self._growth(d) for d in done) >= needed:
+                return self._steps_to_finish(s)
+        return 0
+
+    def _backfills(self, seq: Sequence, head_wait: int) -> bool:
+        """Waiting ``seq`` may pass the head that waits for blocks when it does not delay it: it is done, and its
+        blocks are back, before the head's are free (``head_wait`` steps), and it fits beside the running
+        sequences' growth with its own. The head's wait is what FCFS order would make it wait."""
+        if head_wait <= 0:
+            return False
+        bm = self.blocks
+        spare = bm.num_free - sum(self._growth(s) for s in self.running)
+        return (self._steps_to_finish(seq) <= head_wait
+                and bm.needed(seq, bm.match(seq)[0]) + self._growth(seq) <= spare)
 
     def _rank(self, seq: Sequence) -> tuple:
         """remaining-work order (smaller first): due requests by arrival, then by predicted work to the first token,
@@ -333,11 +383,10 @@ class Scheduler:
         growing = sum(1 for s in self.running if bm.blocks_for(s.num_tokens) > len(s.block_table))
         free, chosen = bm.num_free - growing, []
         for v in victims:
-            if free >= needed:
+            if free + bm.freed_by(chosen, keep=hits) >= needed:
                 break
             chosen.append(v)
-            free += bm.freed_by(v, keep=hits)
-        if free < needed:
+        if free + bm.freed_by(chosen, keep=hits) < needed:
             return                                         # swapping all of them would not make room
         for v in chosen:
             self.running.remove(v)
