@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from kvflow.bench.matrix import QUICK, SHAPES, MatrixOptions, diagnostics, estimate_s, plan, reason, verdict
+from kvflow.bench.matrix import (QUICK, RATIO_KEYS, SHAPES, CellPlan, MatrixOptions, cell_of, diagnostics, estimate_s,
+                                 plan, reason, verdict)
 from kvflow.cli.main import main
 from kvflow.demo.chat import ChatWorkload, longest_history_tokens, sessions, working_set_tokens
 
@@ -71,6 +72,32 @@ def test_reused_histories_at_the_quarter_budget_need_p99_at_most_0_3x():
     assert verdict("longfirst", "quarter", _ratios(0.3, 0.5, 1.0)).met
     assert verdict("random", "quarter", _ratios(0.9, 0.9, 1.0)).met                # nothing reused: 1.0x
     assert verdict("prefix", "all", _ratios(0.9, 0.9, 1.0)).met                     # everything resident: 1.0x
+
+
+def test_a_cell_over_rounds_is_met_missed_or_inside_the_noise_and_shows_its_median_and_spread():
+    from types import SimpleNamespace
+    from kvflow.demo.chat import TurnRecord
+    side = {"cached_share": 0.5, "itl_p50_s": 0.05, "errors": 0}
+
+    def round_(kv_first: bool, p99: float, mean: float, tok_s: float):
+        ratios = {k: 1.0 for k in RATIO_KEYS} | _ratios(p99, mean, tok_s)
+        kv = ([TurnRecord(0, 0, 100, 0, 4, p99)], {**side, "p99": p99}, {})
+        return kv_first, kv, ([TurnRecord(0, 0, 100, 0, 4, 1.0)], side, {}), ratios
+
+    def cell(*rounds):
+        return cell_of(CellPlan("chat", "all", "light", 0.5), SimpleNamespace(kv_tokens=100, working_set_tokens=100),
+                       list(rounds), 0.5)
+    met = cell(round_(True, 0.9, 0.8, 1.1), round_(False, 0.95, 0.9, 1.0))
+    assert met.verdict.met and met.verdict.label == "met" and met.ratio("ttft_p99_s") == "0.93 (0.90-0.95)"
+    noise = cell(round_(True, 0.92, 0.8, 1.1), round_(False, 1.08, 0.9, 1.0), round_(True, 1.02, 0.9, 1.0))
+    assert not noise.verdict.met and noise.verdict.noise and noise.verdict.label == "noise"
+    assert noise.ratios["ttft_p99_s"] == 1.02 and noise.spread["ttft_p99_s"] == [0.92, 1.08]
+    assert noise.kvflow["p99"] == 1.02                        # the median round's summaries and requests
+    assert "inside the noise" in noise.why()["missed"] and "P99 TTFT 1.02x" in noise.why()["missed"]
+    missed = cell(round_(True, 1.2, 0.8, 1.1), round_(False, 1.3, 0.9, 1.0))
+    assert not missed.verdict.met and not missed.verdict.noise and missed.verdict.label == "MISSED"
+    one = cell(round_(True, 1.05, 0.8, 1.1))
+    assert one.verdict.label == "MISSED" and one.ratio("ttft_p99_s") == 1.05 and len(one.to_json()["rounds"]) == 1
 
 
 def test_a_missed_cell_names_its_measured_differences():

