@@ -128,3 +128,25 @@ def test_a_block_still_being_prefilled_is_not_a_hit():
     a.num_computed = 4                            # chunked prefill: only block 0 computed so far
     bm.commit(a)
     assert len(bm.match_prefix(list(range(12)))[0]) == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=ops, order=st.randoms(use_true_random=False))
+def test_freed_by_predicts_what_freeing_those_sequences_in_turn_puts_in_the_free_queue(ops, order):
+    bm = BlockManager(12, BS)
+    prefixes = [[1] * 40, [2] * 40, list(range(40)), [1] * 8 + [3] * 32]   # shared prefixes: blocks held twice
+    live: list[Sequence] = []
+    for n, (op, which, length) in enumerate(ops):
+        s = seq(n, prefixes[which][:length])
+        if op == "add" and bm.can_allocate(s):
+            s.num_computed = bm.allocate(s)
+            compute_all(bm, s)
+            live.append(s)
+        elif op == "free" and live:
+            bm.free_seq(live.pop(which % len(live)))
+    order.shuffle(live)
+    predicted, before, got = bm.freed_by(live), len(bm.free), []
+    for s in live:
+        bm.free_seq(s)
+        got.append(len(bm.free) - before)
+    assert predicted == got

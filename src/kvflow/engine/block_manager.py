@@ -109,11 +109,18 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self.needed(seq, self.match(seq)[0]) <= len(self.free)
 
-    def freed_by(self, seqs: list[Sequence], keep: list[int] = ()) -> int:
-        """Blocks that ``free_seq`` of every one of ``seqs`` would put in the free queue (held by no table outside
-        them: a prefix two of them share counts once both are freed), ``keep`` aside."""
-        held = Counter(b for s in seqs for b in s.block_table)
-        return sum(1 for b, n in held.items() if self.blocks[b].ref_count == n and b not in keep)
+    def freed_by(self, seqs: list[Sequence], keep=()) -> list[int]:
+        """Freeing ``seqs`` in turn: after each, the blocks ``free_seq`` would have put in the free queue so far —
+        those held by no table outside the ones freed (a prefix two of them share counts once both are), ``keep``
+        aside. One pass over their block tables."""
+        keep, held, freed, out = set(keep), Counter(), 0, []
+        for s in seqs:
+            for b in s.block_table:
+                held[b] += 1
+                if held[b] == self.blocks[b].ref_count and b not in keep:
+                    freed += 1
+            out.append(freed)
+        return out
 
     # ------------------------------------------------------------------------------------- mutations
     def allocate(self, seq: Sequence) -> int:

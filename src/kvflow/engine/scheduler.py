@@ -282,10 +282,10 @@ class Scheduler:
         free = bm.num_free - sum(self._growth(s) for s in self.running)
         if free >= needed:
             return 0
-        done = []
-        for s in sorted(self.running, key=self._steps_to_finish):
-            done.append(s)
-            if free + bm.freed_by(done, keep=hits) + sum(self._growth(d) for d in done) >= needed:
+        order = sorted(self.running, key=self._steps_to_finish)
+        for s, freed in zip(order, bm.freed_by(order, keep=hits)):
+            free += self._growth(s)
+            if free + freed >= needed:
                 return self._steps_to_finish(s)
         return 0
 
@@ -381,14 +381,14 @@ class Scheduler:
                                and s.num_swaps < self.config.max_swaps and self._rank(s) > rank),
                               key=self._rank, reverse=True)
         growing = sum(1 for s in self.running if bm.blocks_for(s.num_tokens) > len(s.block_table))
-        free, chosen = bm.num_free - growing, []
-        for v in victims:
-            if free + bm.freed_by(chosen, keep=hits) >= needed:
-                break
-            chosen.append(v)
-        if free + bm.freed_by(chosen, keep=hits) < needed:
+        free = bm.num_free - growing
+        if free >= needed:
+            return
+        # the fewest victims, in order, whose blocks (those no other table holds) make room
+        enough = next((i + 1 for i, freed in enumerate(bm.freed_by(victims, keep=hits)) if free + freed >= needed), 0)
+        if not enough:
             return                                         # swapping all of them would not make room
-        for v in chosen:
+        for v in victims[:enough]:
             self.running.remove(v)
             self._preempt(v)
             v.num_swaps += 1
