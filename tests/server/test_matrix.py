@@ -136,7 +136,7 @@ def test_the_plan_groups_cells_by_workload_and_budget_and_quick_is_small():
 
 
 @pytest.mark.parametrize("args", [["--workloads", "poetry"], ["--budgets", "half"], ["--rates", "fast"],
-                                  ["--quick", "--workloads", "chat"]])
+                                  ["--quick", "--workloads", "chat"], ["--repeats", "0"]])
 def test_bad_matrix_options_are_one_line_and_exit_2(args, capsys):
     assert main(["bench", "matrix", *args]) == 2
     assert capsys.readouterr().err.count("\n") == 1
