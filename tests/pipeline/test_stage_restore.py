@@ -106,9 +106,11 @@ def test_inputs_that_run_out_stop_the_compute_side_and_io_covers_the_rest(tiny):
     link.close()
     assert link.failed in ([2], []) and ex.complete_chunks == N
     computed = {i for e in ex.timeline if e.kind == "compute" for i in range(e.tokens[0] // chunk, e.tokens[1] // chunk)}
-    if link.failed:       # the compute side reached the corrupt inputs (I/O is 20x slower than compute when idle;
-        assert computed == {0, 1}, "the compute side stops where its inputs end"   # on a loaded box the I/O side
-    else:                 # can land chunk 2 first: a clean-clone run beside other work did)
+    # the compute side reaches the corrupt inputs (I/O is 20x slower than compute on an idle box); on a loaded box
+    # the I/O side can land chunk 2 first (a clean-clone run beside other work did)
+    if link.failed:
+        assert computed == {0, 1}, "the compute side stops where its inputs end"
+    else:
         assert 2 not in computed
     ref_kv, _ = tiny.reference_prefill(token_ids)
     assert grid_diff(ex.cache, ref_kv, (2, 4), N * chunk) <= TOL

@@ -396,8 +396,8 @@ def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None]
                "chat text to /v1/chat/completions", "goals": dataclasses.asdict(Goals()), "reused": sorted(REUSED),
                "shapes": {k: {"params": s.params, "rates": s.rates} for k, s in (QUICK if o.quick else SHAPES).items()
                           if k in o.workloads},
-               "reset": "vLLM: one server per (workload, budget), prefix cache emptied before each cell; kvflow: a "
-                        "fresh server process and pool per cell; order alternated per cell",
+               "reset": "vLLM: one server per (workload, budget), prefix cache emptied before each round; kvflow: a "
+                        "fresh server process and pool per cell and round; order alternated per cell and round",
                "machine": {"cores": os.cpu_count(), "load_avg_1m_end": os.getloadavg()[0]},
                "estimate_s": est, "wall_s": wall, "groups": group_info, "cells": [c.to_json() for c in cells],
                "goals_met": sum(c.verdict.met for c in cells), "inside_noise": sum(c.verdict.noise for c in cells),
