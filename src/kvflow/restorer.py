@@ -212,8 +212,12 @@ class Restorer:
     def lookup(self, context_ids: torch.Tensor, query_len: int) -> tuple[Request, list[list[ChunkKey]]]:
         """Record keys of the context and how many of its chunks (a prefix) the pool holds."""
         keys = self.keys(context_ids)
-        stored = self.pool.longest_prefix(context_ids, self.runner.fingerprint, self.groups) // self.chunk_tokens
-        return Request(context_ids.numel(), query_len, stored), keys
+        return Request(context_ids.numel(), query_len, self.stored_tokens(context_ids) // self.chunk_tokens), keys
+
+    def stored_tokens(self, context_ids: torch.Tensor) -> int:
+        """Tokens of the context's longest prefix of whole chunks whose records the pool holds for every layer
+        group (one hash pass; no record keys built)."""
+        return self.pool.longest_prefix(context_ids, self.runner.fingerprint, self.groups)
 
     def plan(self, context_ids, query_len: int, strategy: str = "cacheflow") -> tuple[Plan, list[list[ChunkKey]], float]:
         ids = as_ids(context_ids)

@@ -51,8 +51,7 @@ class PoolTier:
         chunk and the partial one after them are stored (a preempted sequence's tail, ``store(tail=True)``)."""
         self.counters["lookups"] += 1
         ids = torch.as_tensor(token_ids, dtype=torch.long)
-        stored = (self.restorer.lookup(ids, 1)[0].stored_chunks * self.chunk_tokens
-                  if len(token_ids) >= self.chunk_tokens else 0)
+        stored = self.restorer.stored_tokens(ids) if len(token_ids) >= self.chunk_tokens else 0
         if len(token_ids) - stored < self.chunk_tokens:                  # every full chunk: is the tail there too?
             tail = self.restorer.tail_keys(ids)
             if tail and all(self.pool.contains(tail)):
