@@ -20,7 +20,7 @@ import heapq
 import statistics
 
 from kvflow.bench.matrix import SHAPES, MatrixOptions, workload_of
-from kvflow.bench.serve_run import ServeRunOptions, load_for, prepare
+from kvflow.bench.serve_run import ServeRunOptions, engine_options, load_for, prepare
 from kvflow.cli.restore_cmds import ensure_cost
 from kvflow.demo.chat import chat_ids, sessions
 from kvflow.engine.sampling import SamplingParams
@@ -40,9 +40,7 @@ def replay(kind: str, level: str, share: float, policy: str, model: str, per_req
     p = prepare(base, False, loaded)
     runner, tok, cost = loaded[0], loaded[1], p.cost
     layers = cost.num_layers
-    eng = in_fresh_thread(kvflow_engine, runner, "cacheflow", p.kv_budget, 16,
-                          4 * p.working_set_tokens * runner.kv_bytes_per_token() + (64 << 20), 64, 512, cost=cost,
-                          scheduling_policy=policy, tokenizer=tok)
+    eng = in_fresh_thread(kvflow_engine, runner, tokenizer=tok, **engine_options(base, p, "cacheflow", policy))
     sched, clock = [], [0.0]
     schedule = eng.scheduler.schedule
 

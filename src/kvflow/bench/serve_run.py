@@ -166,6 +166,17 @@ def prepare(o: ServeRunOptions, token_ids: bool, loaded: tuple, w: ChatWorkload 
                     cost, rate)
 
 
+def engine_options(o: ServeRunOptions, p: Prepared, strategy: str, policy: str | None) -> dict:
+    """A round's kvflow engine, as keyword arguments of server/process.py's ``kvflow_engine`` (``resident``: no
+    pool tier): the one place its budget, pool size and knobs come from."""
+    return dict(strategy=None if strategy == "resident" else strategy, scheduling_policy=policy,
+                kv_budget=p.kv_budget, block_size=o.block_size,
+                pool_bytes=4 * p.working_set_tokens * p.runner.kv_bytes_per_token() + (64 << 20),
+                chunk_tokens=o.chunk_tokens, max_num_batched_tokens=o.max_batched, cost=p.cost,
+                pool_dir=None if o.pool_dir is None else str(o.pool_dir), rho=o.rho,
+                recompute_rate=p.recompute_rate)
+
+
 def kvflow_round(o: ServeRunOptions, p: Prepared, w: ChatWorkload, strategy: str, policy: str | None,
                  quiet: tuple[int, ...] = ()) -> tuple:
     """Workload ``w`` against a fresh kvflow server (a process of its own, an empty pool) of one configuration:
@@ -175,12 +186,7 @@ def kvflow_round(o: ServeRunOptions, p: Prepared, w: ChatWorkload, strategy: str
     from kvflow.server.process import ServerProcess, engine_for
     from kvflow.stats import wait_idle
 
-    build = partial(engine_for, o.model, 0, strategy=None if strategy == "resident" else strategy,
-                    scheduling_policy=policy, kv_budget=p.kv_budget, block_size=o.block_size,
-                    pool_bytes=4 * p.working_set_tokens * p.runner.kv_bytes_per_token() + (64 << 20),
-                    chunk_tokens=o.chunk_tokens, max_num_batched_tokens=o.max_batched, cost=p.cost,
-                    pool_dir=None if o.pool_dir is None else str(o.pool_dir), rho=o.rho,
-                    recompute_rate=p.recompute_rate)
+    build = partial(engine_for, o.model, 0, **engine_options(o, p, strategy, policy))
     with ServerProcess(build, o.model) as server:       # its own process: no GIL with this client
         wait_idle([*quiet, server.pid])
         records, wall = asyncio.run(run_chat(server.url, o.model, w, tokenizer=p.tokenizer))
