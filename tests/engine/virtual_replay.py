@@ -34,8 +34,10 @@ def p99(xs: list[float]) -> float:
 
 
 def replay(kind: str, level: str, share: float, policy: str, model: str, per_request: bool, per_step: bool) -> dict:
-    w = workload_of(MatrixOptions(workloads=(kind,)), kind, SHAPES[kind].rates[level])
-    base = ServeRunOptions(w, model=model, configs="cacheflow", block_size=16, max_batched=512, kv_share=share)
+    o = MatrixOptions(workloads=(kind,))                  # the matrix's shape, block and step sizes
+    w = workload_of(o, kind, SHAPES[kind].rates[level])
+    base = ServeRunOptions(w, model=model, configs="cacheflow", block_size=o.block_size, max_batched=o.max_batched,
+                           kv_share=share)
     loaded = load_for(base, True, ensure_cost)
     p = prepare(base, False, loaded)
     runner, tok, cost = loaded[0], loaded[1], p.cost
