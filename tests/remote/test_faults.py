@@ -6,6 +6,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import redis
@@ -98,6 +99,45 @@ def test_a_store_down_at_start_leaves_the_pool_working_without_it_until_the_repr
             assert dev["healthy"] and dev["p"] > 0 and dev["records"] > 0 and rp.keys() >= dev["records"]
     finally:
         rp.stop()
+
+
+def test_a_store_that_answers_at_open_but_times_out_in_its_probe_starts_out_of_service_until_it_answers(
+        server, monkeypatch, caplog):
+    proxy = FaultProxy(server.ports[0])
+    real = pool_module.probe
+
+    def stall_then_probe(device, *a, **kw):
+        if device.name.startswith("remote:"):
+            proxy.stalled = True              # the link stops after the reachability check, mid-probe
+        return real(device, *a, **kw)
+
+    try:
+        monkeypatch.setattr(pool_module, "probe", stall_then_probe)
+        cfg = {"devices": [{"type": "memory", "capacity": "16M", "bandwidth": "200M"},
+                           {"type": "remote", "url": f"redis://127.0.0.1:{proxy.port}", "cluster": False,
+                            "timeout_s": 0.3}],
+               "chunk_tokens": 16, "probe_bytes": "4M"}
+        with caplog.at_level(logging.WARNING, logger="kvflow.pool"):
+            pool = KVPool.open(cfg)
+        with pool:
+            i = remote_slot(pool)
+            assert not pool.stats()["devices"][i]["healthy"]
+            assert any("did not answer its bandwidth probe" in r.getMessage() for r in caplog.records)
+            _, _, data = context(8)
+            assert pool.put_many(data) == len(data) and pool.stats()["devices"][0]["records"] == len(data)
+            monkeypatch.setattr(pool_module, "probe", real)
+            proxy.stalled = False
+            monkeypatch.setattr(pool_module, "_REPROBE_S", 0.0)
+            deadline = time.monotonic() + 20      # the store asks a suspect node again every second
+            while not pool.stats()["devices"][i]["healthy"] and time.monotonic() < deadline:
+                pool.get_many([])                 # a read re-probes a device out of service
+                time.sleep(0.2)
+            _, _, more = context(16, seed=5)
+            pool.put_many(more)
+            dev = pool.stats()["devices"][i]
+            assert dev["healthy"] and dev["p"] > 0 and dev["records"] > 0
+    finally:
+        proxy.close()
 
 
 def test_a_slower_store_is_reprobed_into_a_smaller_share(server):

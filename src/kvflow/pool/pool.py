@@ -199,8 +199,28 @@ class KVPool:
                 continue
             key = s.cfg.name if s.cfg.persistent else f"{s.cfg.type}:anonymous"
             if key not in shared:
-                shared[key] = self.probe(i) if not self.readonly else None
-            s.bw = shared[key] or Bandwidth(_DEFAULT_BW, _DEFAULT_BW)
+                shared[key] = self._probe_store_safe(i) if not self.readonly else None
+            if s.healthy:
+                s.bw = shared[key] or Bandwidth(_DEFAULT_BW, _DEFAULT_BW)
+
+    def _probe_store_safe(self, dev: int) -> Bandwidth | None:
+        """probe(dev), where a shared store that answered at open but fails its probe (a node timing out on a busy
+        network) leaves service as if it had been down at open: its records are misses until _revive finds it
+        answering and probes it then. A local device's probe error still raises: that device is broken."""
+        s = self._state.slots[dev]
+        try:
+            return self.probe(dev)
+        except OSError as err:
+            if s.store is None:
+                raise
+            with self._state.lock:
+                s.healthy = False
+                self._down[dev] = time.monotonic()
+            if self._placement is not None:
+                self._reweigh()
+            log.warning("pool: store %s did not answer its bandwidth probe (%s); its records are misses until it "
+                        "answers (tried again every %.0f s)", s.device.name, err.strerror or err, _REPROBE_S)
+            return None
 
     def probe(self, dev: int, nbytes: int | None = None) -> Bandwidth | None:
         """Measure one device's bandwidth on free space (unthrottled); records it (and in the manifest). None when
@@ -687,8 +707,10 @@ class KVPool:
                 self._reweigh()
             log.warning("pool: device %s answers again; back in service", s.device.name)
             if s.bw.read == 0:      # down since the pool opened: never measured
-                s.bw = (None if self.readonly else self.probe(dev)) or Bandwidth(_DEFAULT_BW, _DEFAULT_BW)
-                self._reweigh()
+                bw = None if self.readonly else self._probe_store_safe(dev)
+                if s.healthy:
+                    s.bw = bw or Bandwidth(_DEFAULT_BW, _DEFAULT_BW)
+                    self._reweigh()
 
     def _reweigh(self) -> None:
         weights = keyed.weights(self._state, [s.read_bw if s.healthy else 0.0 for s in self._state.slots])
