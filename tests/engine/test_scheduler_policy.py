@@ -177,6 +177,23 @@ def test_a_request_on_a_document_being_prefilled_waits_for_that_prefill_instead_
     assert not any({0, 1} <= ids for ids in steps) and all(s.finished for s in seqs)
 
 
+def test_a_prefill_that_requests_wait_on_is_not_starved_by_shorter_prompts():
+    """A 600-token prompt on a document, three questions on that document one step later (they wait for its prefill,
+    which computes their prefix), and two unrelated 100-token prompts every step. Ranked by its own work (344 tokens
+    left after step 0) the document gets what the short prompts leave, 56 tokens a step: its first token at step 4,
+    its questions' at step 5. Counted as work per request it lets through (344 / 4), it ranks with the short
+    prompts and goes before the newer ones: done at step 2, its questions' first tokens at step 3."""
+    doc = list(range(590))
+    arrivals = ([Arrival(0, 600, tokens=doc + [1] * 10)]
+                + [Arrival(1, 606, tokens=doc + [2 + q] * 16) for q in range(3)]
+                + [Arrival(s, 100, tokens=[5000 + 2 * s + k] * 100) for s in range(1, 12) for k in range(2)])
+    first, seqs, _ = run_queue("remaining-work", arrivals, budget=256, caching=True)
+    assert all(s.finished for s in seqs)
+    assert first[0] <= 2
+    assert all(first[q] <= 3 for q in (1, 2, 3))
+    assert [seqs[q].resident_hit_tokens for q in (1, 2, 3)] == [576] * 3     # they waited, nothing recomputed
+
+
 def test_a_request_whose_prefix_became_resident_while_it_waited_is_ranked_by_what_is_left():
     """vLLM's prefix_repetition at the scheduler: a 2,048-token shared prefix, then a question on it every step. The
     questions that arrive while the first one computes the prefix wait for it (skipped, not admitted); once it is

@@ -54,6 +54,7 @@ A waiting request whose prompt continues past what a running prompt has computed
 (a second question on a document still being prefilled, an agent's shared system prompt), is not admitted while
 that prefill runs: it would compute the same KV a second time, and once the prefill's blocks are committed it
 finds them resident (or in the pool). It is skipped, not a barrier: requests ranked after it are still admitted.
+The prefill it waits on ranks by its work ÷ (1 + the requests waiting on it): each of their first tokens needs it.
 
 Work is compared in powers of two: prompts within about a factor of two of each other keep their arrival order
 (shortest-first on exact figures hands every step to the newest prompt a few tokens shorter than those waiting,
@@ -241,7 +242,11 @@ class Scheduler:
             out.scheduled.append(Scheduled(seq, 1, seq.num_computed))
             budget -= 1
         admitting, head_wait = not out.preempted, 0
-        for seq in sorted([*prefilling, *self.waiting], key=self._rank):
+        waiters = {}                              # running prompts' waiters: requests whose prefix they compute
+        for seq in self.waiting:
+            if (other := self._prefill_computing(seq)) is not None:
+                waiters[other.seq_id] = waiters.get(other.seq_id, 0) + 1
+        for seq in sorted([*prefilling, *self.waiting], key=lambda s: self._rank(s, waiters.get(s.seq_id, 0))):
             if budget <= 0:
                 break
             if seq.status is Status.RUNNING:
@@ -249,8 +254,9 @@ class Scheduler:
                     n = min(seq.remaining, budget)
                     out.scheduled.append(Scheduled(seq, n, seq.num_computed))
                     budget -= n
-            elif self._waits_for_a_prefill(seq):
-                continue                          # its prefix is being computed by a running prompt
+            elif self._prefill_computing(seq) is not None:
+                continue                          # its prefix is being computed by a running prompt (maybe one
+                                                  # admitted above, this step)
             elif len(self.running) >= self.config.max_num_seqs:
                 continue                          # prompts already running still get their slices
             elif admitting or self._backfills(seq, head_wait):
@@ -300,9 +306,11 @@ class Scheduler:
         return (self._steps_to_finish(seq) <= head_wait
                 and bm.needed(seq, bm.match(seq)[0]) + self._growth(seq) <= spare)
 
-    def _rank(self, seq: Sequence) -> tuple:
+    def _rank(self, seq: Sequence, waiters: int = 0) -> tuple:
         """remaining-work order (smaller first): due requests by arrival, then by predicted work to the first token,
-        then sequences that already have a token (swapped or preempted decoders) by arrival."""
+        then sequences that already have a token (swapped or preempted decoders) by arrival. A running prompt that
+        ``waiters`` waiting requests wait on (their prefix: ``_prefill_computing``) counts its work ÷ (1 + waiters):
+        every one of those first tokens needs that prefill first (Smith's rule: work per request it lets through)."""
         if seq.first_token_s is not None:
             return (2, 0.0, seq.seq_id)
         if seq.status is not Status.RUNNING and (seq.work is None or seq.ranked_at != self.blocks.version):
@@ -310,7 +318,8 @@ class Scheduler:
         allowance = (self.config.starvation_factor - 1) * seq.work_tokens
         if seq.passed_over >= allowance:
             return (0, 0.0, seq.seq_id)
-        work = self.work(seq.num_tokens, seq.num_computed, 0) if seq.status is Status.RUNNING else seq.work
+        work = (self.work(seq.num_tokens, seq.num_computed, 0) / (1 + waiters) if seq.status is Status.RUNNING
+                else seq.work)
         return (1, magnitude(work * (1 - seq.passed_over / allowance)), seq.seq_id)
 
     def _estimate(self, seq: Sequence) -> None:
@@ -328,10 +337,10 @@ class Scheduler:
         if seq.work_tokens < 0:                    # the aging threshold: its uncached tokens when first seen
             seq.work_tokens = seq.num_tokens - seq.hit_tokens
 
-    def _waits_for_a_prefill(self, seq: Sequence) -> bool:
-        """remaining-work: waiting ``seq`` shares a running prompt's tokens at least one block past what that prompt
-        has computed (and past ``seq``'s own cached prefix): that prefill is computing ``seq``'s KV now. Cost: a
-        first-block compare per running prefill, one slice compare where it matches."""
+    def _prefill_computing(self, seq: Sequence) -> Sequence | None:
+        """remaining-work: the running prompt whose tokens waiting ``seq`` shares at least one block past what that
+        prompt has computed (and past ``seq``'s own cached prefix): that prefill is computing ``seq``'s KV now.
+        Cost: a first-block compare per running prefill, one slice compare where it matches."""
         bs = self.blocks.block_size
         for other in self.running:
             k = other.num_computed + bs
@@ -339,8 +348,8 @@ class Scheduler:
                     or k <= seq.hit_tokens or seq.token_ids[:bs] != other.token_ids[:bs]):
                 continue
             if seq.token_ids[:k] == other.token_ids[:k]:
-                return True
-        return False
+                return other
+        return None
 
     def _next_waiting(self) -> Sequence:
         """The next sequence to admit: FCFS, or under the first-token policy the first one without a token yet."""
@@ -351,7 +360,7 @@ class Scheduler:
     def _first_without_token(self) -> Sequence | None:
         """The waiting request a swap makes room for: the first without a token (remaining-work: the best-ranked)."""
         if self.config.scheduling_policy == "remaining-work":       # (not one that waits for a running prefill)
-            return min((s for s in self.waiting if s.first_token_s is None and not self._waits_for_a_prefill(s)),
+            return min((s for s in self.waiting if s.first_token_s is None and self._prefill_computing(s) is None),
                        key=self._rank, default=None)
         return next((s for s in self.waiting if s.first_token_s is None), None)
 
