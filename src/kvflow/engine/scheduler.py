@@ -242,9 +242,12 @@ class Scheduler:
             out.scheduled.append(Scheduled(seq, 1, seq.num_computed))
             budget -= 1
         admitting, head_wait = not out.preempted, 0
-        waiters = {}                              # running prompts' waiters: requests whose prefix they compute
+        blocked, waiters = set(), {}              # requests whose prefix a running prompt computes; its count
         for seq in self.waiting:
+            if seq.first_token_s is None:
+                self._refresh(seq)                # its cached prefix as ranking sees it (hit_tokens)
             if (other := self._prefill_computing(seq)) is not None:
+                blocked.add(seq.seq_id)
                 waiters[other.seq_id] = waiters.get(other.seq_id, 0) + 1
         for seq in sorted([*prefilling, *self.waiting], key=lambda s: self._rank(s, waiters.get(s.seq_id, 0))):
             if budget <= 0:
@@ -254,9 +257,9 @@ class Scheduler:
                     n = min(seq.remaining, budget)
                     out.scheduled.append(Scheduled(seq, n, seq.num_computed))
                     budget -= n
-            elif self._prefill_computing(seq) is not None:
-                continue                          # its prefix is being computed by a running prompt (maybe one
-                                                  # admitted above, this step)
+            elif seq.seq_id in blocked or self._prefill_computing(seq, out.admitted) is not None:
+                continue                          # its prefix is being computed by a running prompt (one that
+                                                  # was running, or one admitted above, this step)
             elif len(self.running) >= self.config.max_num_seqs:
                 continue                          # prompts already running still get their slices
             elif admitting or self._backfills(seq, head_wait):
@@ -313,14 +316,18 @@ class Scheduler:
         every one of those first tokens needs that prefill first (Smith's rule: work per request it lets through)."""
         if seq.first_token_s is not None:
             return (2, 0.0, seq.seq_id)
-        if seq.status is not Status.RUNNING and (seq.work is None or seq.ranked_at != self.blocks.version):
-            self._estimate(seq)
+        self._refresh(seq)
         allowance = (self.config.starvation_factor - 1) * seq.work_tokens
         if seq.passed_over >= allowance:
             return (0, 0.0, seq.seq_id)
         work = (self.work(seq.num_tokens, seq.num_computed, 0) / (1 + waiters) if seq.status is Status.RUNNING
                 else seq.work)
         return (1, magnitude(work * (1 - seq.passed_over / allowance)), seq.seq_id)
+
+    def _refresh(self, seq: Sequence) -> None:
+        """A waiting request's prediction, made again when the cached blocks changed since (``_estimate``)."""
+        if seq.status is not Status.RUNNING and (seq.work is None or seq.ranked_at != self.blocks.version):
+            self._estimate(seq)
 
     def _estimate(self, seq: Sequence) -> None:
         """A waiting request's predicted work to its first token, from its cached prefix now: resident blocks are
@@ -337,12 +344,13 @@ class Scheduler:
         if seq.work_tokens < 0:                    # the aging threshold: its uncached tokens when first seen
             seq.work_tokens = seq.num_tokens - seq.hit_tokens
 
-    def _prefill_computing(self, seq: Sequence) -> Sequence | None:
-        """remaining-work: the running prompt whose tokens waiting ``seq`` shares at least one block past what that
-        prompt has computed (and past ``seq``'s own cached prefix): that prefill is computing ``seq``'s KV now.
-        Cost: a first-block compare per running prefill, one slice compare where it matches."""
+    def _prefill_computing(self, seq: Sequence, among: list[Sequence] | None = None) -> Sequence | None:
+        """remaining-work: the running prompt (of ``among``, default all running) whose tokens waiting ``seq``
+        shares at least one block past what that prompt has computed (and past ``seq``'s own cached prefix): that
+        prefill is computing ``seq``'s KV now. Cost: a first-block compare per running prefill, one slice compare
+        where it matches."""
         bs = self.blocks.block_size
-        for other in self.running:
+        for other in self.running if among is None else among:
             k = other.num_computed + bs
             if (other.first_token_s is not None or k > min(other.num_prompt_tokens, seq.num_tokens - 1)
                     or k <= seq.hit_tokens or seq.token_ids[:bs] != other.token_ids[:bs]):
