@@ -115,7 +115,7 @@ def test_a_store_that_answers_at_open_but_times_out_in_its_probe_starts_out_of_s
         monkeypatch.setattr(pool_module, "probe", stall_then_probe)
         cfg = {"devices": [{"type": "memory", "capacity": "16M", "bandwidth": "200M"},
                            {"type": "remote", "url": f"redis://127.0.0.1:{proxy.port}", "cluster": False,
-                            "timeout_s": 0.3}],
+                            "timeout_s": 1.0}],        # the stall times the probe out; a busy box still answers open
                "chunk_tokens": 16, "probe_bytes": "4M"}
         with caplog.at_level(logging.WARNING, logger="kvflow.pool"):
             pool = KVPool.open(cfg)
