@@ -159,8 +159,8 @@ class KVPool:
                                  ExtentAllocator(device.capacity, device.align), io, bw, cap=dcfg.throttle,
                                  store=store))
             if store is not None and not store.reachable:   # a store down at open: the pool starts without it
-                st.slots[-1].healthy = False
-                self._down[len(st.slots) - 1] = time.monotonic()
+                with st.lock:
+                    self._leave_service(len(st.slots) - 1)
         st.table = LookupTable(len(st.slots))
         if st.journal is not None:
             recover(st)
@@ -214,10 +214,7 @@ class KVPool:
             if s.store is None:
                 raise
             with self._state.lock:
-                s.healthy = False
-                self._down[dev] = time.monotonic()
-            if self._placement is not None:
-                self._reweigh()
+                self._leave_service(dev)
             log.warning("pool: store %s did not answer its bandwidth probe (%s); its records are misses until it "
                         "answers (tried again every %.0f s)", s.device.name, err.strerror or err, _REPROBE_S)
             return None
@@ -677,11 +674,9 @@ class KVPool:
             s.counters["errors"] += 1
             s.errors_in_row += 1
             if s.healthy and s.errors_in_row >= _UNHEALTHY_AFTER:
-                s.healthy = False
-                self._down[dev] = time.monotonic()
+                self._leave_service(dev)
                 log.error("pool: device %s failed %d %ss in a row (%s); its records are misses now",
                           s.device.name, s.errors_in_row, what, err)
-                self._reweigh()
             else:
                 log.warning("pool: %s error on %s: %s", what, s.device.name, err)
 
@@ -706,11 +701,20 @@ class KVPool:
                 self._down.pop(dev, None)
                 self._reweigh()
             log.warning("pool: device %s answers again; back in service", s.device.name)
-            if s.bw.read == 0:      # down since the pool opened: never measured
+            if s.bw.read == 0:      # down since the pool opened: never measured (a probe reweighs by what it found)
                 bw = None if self.readonly else self._probe_store_safe(dev)
-                if s.healthy:
-                    s.bw = bw or Bandwidth(_DEFAULT_BW, _DEFAULT_BW)
+                if s.healthy and bw is None:
+                    s.bw = Bandwidth(_DEFAULT_BW, _DEFAULT_BW)
                     self._reweigh()
+
+    def _leave_service(self, dev: int) -> None:
+        """Device ``dev`` out of service (the caller holds the state lock): its records are misses, the striper
+        gives it no more, and _revive tries it again after _REPROBE_S. The one way a device leaves: down at open, a
+        store failing its probe, or _UNHEALTHY_AFTER I/O errors in a row."""
+        self._state.slots[dev].healthy = False
+        self._down[dev] = time.monotonic()
+        if self._placement is not None:
+            self._reweigh()
 
     def _reweigh(self) -> None:
         weights = keyed.weights(self._state, [s.read_bw if s.healthy else 0.0 for s in self._state.slots])
