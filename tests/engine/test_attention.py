@@ -84,10 +84,10 @@ def test_decodes_attended_as_one_group_equal_each_ones_own_attention(window):
 
 
 def test_a_group_of_decodes_gathers_within_its_byte_and_key_limits(monkeypatch):
-    """Groups are consecutive decodes (longest first) whose padded keys stay within DECODE_GROUP_BYTES of gathered
+    """Groups are consecutive decodes (longest first) whose padded keys stay within GROUP_BYTES of gathered
     K/V and the engine's longest sequence; a decode longer than the limit alone is a group of one."""
     from kvflow.engine import attention
-    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 100 * 10)          # 100 keys of 10 bytes
+    monkeypatch.setattr(attention, "GROUP_BYTES", 100 * 10)          # 100 keys of 10 bytes
     ends = [120, 40, 33, 30, 20, 17, 3]
     tables = [list(range(0, 8)), [8, 9, 10], [11, 12, 13], [14, 15], [16, 17], [18, 19], [20]]
     groups = groups_of_decodes(ends, tables, 16, 64, max_keys=1 << 20, bytes_per_key=10, device="cpu")
@@ -112,7 +112,7 @@ def test_the_model_keeps_its_attention_implementation_after_a_step(tiny):
 def test_a_step_holds_one_sequences_or_one_groups_gathered_kv_at_a_time(tiny, monkeypatch):
     """Packed attention gathers each sequence's keys (or one group of short decodes') just before its SDPA and frees
     them after: a step batching many decodes never holds more than the longest sequence's K/V of one layer or one
-    group's DECODE_GROUP_BYTES (what bounds the reserve). The copying path: without the native op."""
+    group's GROUP_BYTES (what bounds the reserve). The copying path: without the native op."""
     import weakref
 
     monkeypatch.setenv("KVFLOW_DECODE_ATTENTION", "torch")
@@ -134,7 +134,7 @@ def test_a_step_holds_one_sequences_or_one_groups_gathered_kv_at_a_time(tiny, mo
     monkeypatch.setattr(PagedKVCache, "gather", lambda self, layer, blocks, end, first=None:
                         counted(*gather(self, layer, blocks, end), sizes))          # always the copy: counted
     monkeypatch.setattr(PagedKVCache, "gather_padded", lambda self, *a: counted(*gather_padded(self, *a), groups))
-    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", 400 * 2 * tiny.kv_heads * tiny.head_dim * 4)   # 400 keys
+    monkeypatch.setattr(attention, "GROUP_BYTES", 400 * 2 * tiny.kv_heads * tiny.head_dim * 4)   # 400 keys
     # chunks of 256: each long prompt continues a chunk (a prompt's first chunk attends its own new K/V, ungathered)
     engine = LLMEngine(tiny, EngineConfig(kv_budget=8 << 20, max_num_batched_tokens=256))
     engine.generate([ids(300 + 40 * i, i) for i in range(6)] + [ids(40, 9), ids(50, 10)], SamplingParams(max_tokens=3))
@@ -196,3 +196,52 @@ def test_a_gather_over_consecutive_blocks_is_a_view_equal_to_the_copy(table, end
         viewed = cache.gather(0, blocks, end, run)
         assert torch.equal(viewed[0], k) and torch.equal(viewed[1], v)
         assert viewed[0].untyped_storage().data_ptr() == cache.kv.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_chunks_attended_as_one_group_equal_each_ones_own_attention(window):
+    """Three chunks continuing their sequences (5 queries from position 9, 2 from 3, 4 from 12) over scattered
+    blocks, padded to the widest and the longest and masked, in one SDPA call: each row is its chunk's own causal
+    attention over its keys (its window applied)."""
+    from kvflow.engine.attention import groups_of_segments
+    cache = PagedKVCache(1, 16, 4, 2, 16)
+    spans, tables = [(9, 5), (3, 2), (12, 4)], [[5, 2, 0, 9], [7, 11], [3, 1, 14, 6]]
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 8, 11, 16, generator=g)
+    own, segs, q0 = [], [], 0
+    for (start, n), table in zip(spans, tables):
+        end = start + n
+        k, v = torch.randn(1, 2, end, 16, generator=g), torch.randn(1, 2, end, 16, generator=g)
+        cache.write(0, cache.slots(table, 0, end), k, v)
+        own.append(F.scaled_dot_product_attention(q[:, :, q0:q0 + n], k, v, attn_mask=segment_mask(start, n, window),
+                                                  scale=0.25, enable_gqa=True))
+        segs.append(Segment(q0, q0 + n, start, cache.blocks(table, end)))
+        q0 += n
+    groups, alone = groups_of_segments(segs, tables, 4, 16, max_keys=1 << 20, bytes_per_key=1, device="cpu")
+    assert alone == [] and len(groups) == 1 and (groups[0].count, groups[0].width, groups[0].keys) == (3, 5, 16)
+    out, _ = packed_attention(MODULE, q, None, None, None, scaling=0.25, kvflow_segments=alone,
+                              kvflow_windows=[window], kvflow_cache=cache, kvflow_groups=groups)
+    assert (out - torch.cat(own, 2).transpose(1, 2)).abs().max() <= 1e-6
+
+
+def test_only_short_continuing_chunks_are_grouped_within_the_limits(monkeypatch):
+    """A prompt's first chunk, a decode, a chunk over VIEW_MIN_TOKENS keys or over GROUP_CHUNK_ELEMENTS queries x
+    keys stays alone, and so does a chunk that is the only candidate; a group keeps its padded keys within the
+    byte limit and its padded rows within twice its own."""
+    from kvflow.engine import attention
+    from kvflow.engine.attention import groups_of_segments
+    monkeypatch.setattr(attention, "GROUP_CHUNK_ELEMENTS", 64 * 64)
+
+    def seg(q0, n, start):
+        return Segment(q0, q0 + n, start, torch.arange((start + n + 15) // 16))
+
+    tables = [list(range(200))] * 8
+    segs = [seg(0, 40, 0), seg(40, 1, 30), seg(41, 30, 3000), seg(71, 60, 200), seg(131, 10, 50)]
+    assert groups_of_segments(segs, tables, 16, 512, 1 << 20, 1, "cpu") == ([], segs)    # one candidate: alone
+    segs = [seg(0, 10, 50), seg(10, 12, 40), seg(22, 8, 30), seg(30, 40, 100), seg(70, 11, 45)]
+    groups, alone = groups_of_segments(segs, tables, 16, 512, 1 << 20, 1, "cpu")
+    assert [(g.count, g.width, g.keys) for g in groups] == [(4, 12, 64)] and alone == [segs[3]]
+    assert [int(x) for x in groups[0].starts] == [50, 45, 40, 30]      # longest context first
+    monkeypatch.setattr(attention, "GROUP_BYTES", 130)                  # 130 keys of one byte: two chunks a group
+    groups, alone = groups_of_segments(segs, tables, 16, 512, 1 << 20, 1, "cpu")
+    assert [g.count for g in groups] == [2, 2] and alone == [segs[3]]

@@ -36,7 +36,7 @@ def test_decodes_attended_in_groups_come_back_in_the_items_order(tiny, monkeypat
     """Short decodes move to the front of the step's row (longest first) and are attended in groups — one group
     or one per decode here; every item's logits still come back in the items' order, each its own prefill's."""
     from kvflow.engine import attention
-    monkeypatch.setattr(attention, "DECODE_GROUP_BYTES", group_bytes)
+    monkeypatch.setattr(attention, "GROUP_BYTES", group_bytes)
     cache = PagedKVCache(tiny.num_layers, 32, 4, tiny.kv_heads, tiny.head_dim)
     runner = BatchRunner(tiny, cache)
     a, b, c, d = ids(30, 1), ids(5, 2), ids(13, 3), ids(9, 4)
@@ -49,6 +49,29 @@ def test_decodes_attended_in_groups_come_back_in_the_items_order(tiny, monkeypat
     for row, tokens in zip(logits, (b + [7], a, c + [8])):
         _, ref = tiny.reference_prefill(torch.tensor(tokens))
         assert (row - ref).abs().max().item() <= 1e-4 and row.argmax() == ref.argmax()
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_follow_ups_on_cached_histories_attended_as_one_group_give_each_sequences_own_logits(tiny, monkeypatch,
+                                                                                             grouped):
+    """Three chunks that continue their histories (over scattered blocks) plus a decode in one step: attended as one
+    group (attention.SegmentGroup) or one by one, each item's logits are its own prefill's."""
+    from kvflow.engine import model_runner
+    made, group = [], model_runner.groups_of_segments
+    monkeypatch.setattr(model_runner, "groups_of_segments", lambda segs, *a: made.append(group(segs, *a)) or
+                        made[-1] if grouped else ([], segs))
+    cache = PagedKVCache(tiny.num_layers, 40, 4, tiny.kv_heads, tiny.head_dim)
+    runner = BatchRunner(tiny, cache)
+    a, b, c, d = ids(29, 1), ids(14, 2), ids(22, 3), ids(9, 4)
+    tables = {"a": list(range(0, 8)), "b": [20, 9, 33, 17], "c": [31, 8, 12, 30, 25, 26], "d": [15, 14, 13]}
+    runner.execute([StepItem(tables["a"], 0, a[:17], False), StepItem(tables["b"], 0, b[:5], False),
+                    StepItem(tables["c"], 0, c[:11], False), StepItem(tables["d"], 0, d, True)])
+    logits = runner.execute([StepItem(tables["a"], 17, a[17:], True), StepItem(tables["d"], 9, [6], True),
+                             StepItem(tables["b"], 5, b[5:], True), StepItem(tables["c"], 11, c[11:], True)])
+    for row, tokens in zip(logits, (a, d + [6], b, c)):
+        _, ref = tiny.reference_prefill(torch.tensor(tokens))
+        assert (row - ref).abs().max().item() <= 1e-4 and row.argmax() == ref.argmax()
+    assert not grouped or [g.count for g in made[-1][0]] == [3]
 
 
 def test_four_concurrent_requests_are_batched_and_each_equals_generate(tiny):

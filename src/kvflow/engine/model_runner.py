@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.engine import paged_decode
-from kvflow.engine.attention import (Segment, StepMasks, groups_of_decodes, in_a_group, packed_attention,
-                                     paged_decodes)
+from kvflow.engine.attention import (Segment, StepMasks, groups_of_decodes, groups_of_segments, in_a_group,
+                                     packed_attention, paged_decodes)
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.model.runner import ModelRunner
 
@@ -72,7 +72,7 @@ class BatchRunner:
                         if in_a_group(len(it.token_ids), it.start + len(it.token_ids), self.native)),
                        key=lambda i: -items[i].start)           # attended in groups: the first rows, longest first
         grouped = set(short)
-        ids, qpos, write, segments, row = [], [], [], [], {}
+        ids, qpos, write, segments, seg_tables, row = [], [], [], [], [], {}
         q0 = 0
         for i in short + [i for i in range(len(items)) if i not in grouped]:
             it = items[i]
@@ -83,13 +83,17 @@ class BatchRunner:
             if i not in grouped:
                 segments.append(Segment(q0, q0 + n, it.start, cache.blocks(it.block_table, end),
                                         cache.run_start(it.block_table, end)))
+                seg_tables.append(it.block_table)
             q0 += n
             row[i] = q0 - 1
         last = [row[i] for i, it in enumerate(items) if it.sample]         # the items' order
         ends, tables = [items[i].start + 1 for i in short], [items[i].block_table for i in short]
+        per_key = 2 * cache.kv_heads * cache.head_dim * cache.kv.element_size()
         decodes = paged_decodes(ends, tables, cache.block_size, cache.device) if self.native else \
-            groups_of_decodes(ends, tables, cache.block_size, cache.num_blocks, self.max_group_keys,
-                              2 * cache.kv_heads * cache.head_dim * cache.kv.element_size(), cache.device)
+            groups_of_decodes(ends, tables, cache.block_size, cache.num_blocks, self.max_group_keys, per_key,
+                              cache.device)
+        chunks, segments = groups_of_segments(segments, seg_tables, cache.block_size, cache.num_blocks,
+                                              self.max_group_keys, per_key, cache.device)
         slot, masks = _StepSlot(cache, torch.cat(write)), StepMasks()
         with torch.inference_mode():
             hidden = self._base.embed_tokens(torch.tensor(ids, dtype=torch.long, device=cache.device).view(1, -1))
@@ -100,7 +104,7 @@ class BatchRunner:
                                 position_embeddings=position_embeddings, use_cache=True,
                                 kvflow_attend=packed_attention, kvflow_segments=segments,
                                 kvflow_windows=self._windows, kvflow_cache=cache, kvflow_masks=masks,
-                                kvflow_decodes=decodes,
+                                kvflow_decodes=decodes, kvflow_groups=chunks,
                                 **{self._cache_kw: slot})
                 if isinstance(hidden, tuple):
                     hidden = hidden[0]
