@@ -156,6 +156,15 @@ def paged_decodes(ends: list[int], tables: list[list[int]], block_size: int, dev
     return [PagedDecodes(0, torch.tensor(ends, dtype=torch.long, device=device), padded)]
 
 
+def padded_rows(tables: list[list[int]], ends: list[int], nblocks: int, block_size: int, num_blocks: int,
+                device) -> torch.Tensor:
+    """``PagedKVCache.gather_padded``'s index of a group: each sequence's blocks holding [0, end), padded with its
+    own first block to ``nblocks``, as rows of a layer's K blocks, then the same rows of its V blocks."""
+    cut = [t[:(e + block_size - 1) // block_size] for t, e in zip(tables, ends)]
+    rows = torch.tensor([b + [b[0]] * (nblocks - len(b)) for b in cut], dtype=torch.long).view(-1)
+    return torch.cat([rows, rows + num_blocks]).to(device)
+
+
 def groups_of_decodes(ends: list[int], tables: list[list[int]], block_size: int, num_blocks: int, max_keys: int,
                       bytes_per_key: int, device) -> list[DecodeGroup]:
     """Groups of the decodes whose contexts end at ``ends`` (longest first, at packed rows 0, 1, ...; their block
@@ -168,9 +177,7 @@ def groups_of_decodes(ends: list[int], tables: list[list[int]], block_size: int,
         j = i + 1
         while j < len(ends) and (j + 1 - i) * nblocks * block_size <= limit:
             j += 1
-        padded = [t[:(e + block_size - 1) // block_size] for t, e in zip(tables[i:j], ends[i:j])]
-        rows = torch.tensor([b + [b[0]] * (nblocks - len(b)) for b in padded], dtype=torch.long).view(-1)
-        index = torch.cat([rows, rows + num_blocks]).to(device)
+        index = padded_rows(tables[i:j], ends[i:j], nblocks, block_size, num_blocks, device)
         groups.append(DecodeGroup(i, torch.tensor(ends[i:j], device=device), index, nblocks * block_size))
         i = j
     return groups
@@ -208,14 +215,13 @@ def groups_of_segments(segments: list[Segment], tables: list[list[int]], block_s
             for c, s in enumerate(members):
                 rows += list(range(s.q0, s.q1)) + [s.q1 - 1] * (width - n(s))
                 real_rows += range(c * width, c * width + n(s))
-            padded = [tables[k][:(segments[k].start + n(segments[k]) + block_size - 1) // block_size]
-                      for k in cands[i:j]]
-            index = torch.tensor([b + [b[0]] * (nblocks - len(b)) for b in padded], dtype=torch.long).view(-1)
+            index = padded_rows([tables[k] for k in cands[i:j]], [s.start + n(s) for s in members], nblocks,
+                                block_size, num_blocks, device)
             rows_t, real_t = torch.tensor(rows, dtype=torch.long), torch.tensor(real_rows, dtype=torch.long)
             groups.append(SegmentGroup(rows_t.to(device), real_t.to(device), rows_t[real_t].to(device),
                                        torch.tensor([s.start for s in members], device=device),
                                        torch.tensor([n(s) for s in members], device=device),
-                                       torch.cat([index, index + num_blocks]).to(device), width, keys))
+                                       index, width, keys))
             grouped.update(cands[i:j])
         i = j
     return groups, [s for k, s in enumerate(segments) if k not in grouped]
