@@ -222,6 +222,23 @@ def test_a_waiting_request_is_not_passed_over_by_later_requests_of_about_its_siz
     assert max(m - f for m, f in zip(mine, fcfs)) <= 2
 
 
+def test_the_budget_cut_falls_on_the_later_arrival_when_either_would_finish_this_step():
+    """A prompt with 200 tokens left and a 100-token request that arrives now (budget 256): either alone finishes in
+    this step, both do not. Shortest-first would finish the newcomer and cut the older one to the next step; one of
+    them waits a step either way, so the older one goes first. Two newcomers that both finish where the older one
+    would take their room still go first (more first tokens this step), and one that cannot finish does not move."""
+    arrivals = [Arrival(0, 456), Arrival(1, 100)]
+    first, _, _ = run_queue("remaining-work", arrivals, budget=256)
+    assert first == {0: 1, 1: 2}
+    assert run_queue("fcfs", arrivals, budget=256)[0] == first
+    two = [Arrival(0, 456), Arrival(1, 60), Arrival(1, 60)]
+    first, _, _ = run_queue("remaining-work", two, budget=256)
+    assert first == {0: 2, 1: 1, 2: 1}
+    long = [Arrival(0, 556), Arrival(1, 100)]       # 300 left: it cannot finish in step 1 whatever goes first
+    first, _, _ = run_queue("remaining-work", long, budget=256)
+    assert first[1] == 1 and first[0] == 2
+
+
 def test_a_pool_hit_over_a_resident_prefix_is_loaded_only_when_predicted_sooner_than_the_prefill_of_the_rest():
     """A 352-token prompt whose first 288 tokens are resident and 320 are in the pool. Its load of [288, 320) and the
     prefill after it priced at 1 s, the 64-token prefill from the resident hit (64 ms) wins and nothing is read;

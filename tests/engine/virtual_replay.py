@@ -9,8 +9,9 @@ the model's, not measured (docs/BENCHMARKS.md has those).
         [--requests] [--steps]
 
 Prints one line: TTFT mean / P50 / P99 (later turns' P99), ITL P50 / P99 / max, wall, output tokens/s, swaps,
-preemptions, computed tokens, steps and the mean decode batch; ``--requests`` adds a line per request, ``--steps``
-one per step (who decoded, who prefilled how much, who waits, free blocks, who was swapped or preempted).
+preemptions, the steps whose budget cut was moved to a later arrival, computed tokens, steps and the mean decode
+batch; ``--requests`` adds a line per request, ``--steps`` one per step (who decoded, who prefilled how much, who
+waits, free blocks, who was swapped or preempted).
 """
 
 from __future__ import annotations
@@ -43,8 +44,15 @@ def replay(kind: str, level: str, share: float, policy: str, model: str, per_req
     runner, tok, cost = loaded[0], loaded[1], p.cost
     layers = cost.num_layers
     eng = in_fresh_thread(kvflow_engine, runner, tokenizer=tok, **engine_options(base, p, "cacheflow", policy))
-    sched, clock = [], [0.0]
+    sched, clock, moved = [], [0.0], [0]
     schedule = eng.scheduler.schedule
+    reorder = eng.scheduler._older_first_at_the_cut
+
+    def counted(order, budget, blocked):            # steps where the budget's cut was moved to a later arrival
+        out = reorder(order, budget, blocked)
+        moved[0] += out is not order
+        return out
+    eng.scheduler._older_first_at_the_cut = counted
 
     def traced():
         out = schedule()
@@ -122,7 +130,7 @@ def replay(kind: str, level: str, share: float, policy: str, model: str, per_req
             "itl_p50": statistics.median(gaps) if gaps else float("nan"), "itl_p99": p99(gaps),
             "itl_max": max(gaps, default=float("nan")), "wall": wall,
             "tok_s": sum(len(m["out"]) for m in meta.values()) / wall, "swaps": eng.stats.swaps,
-            "preemptions": eng.stats.preemptions, "computed": eng.stats.computed_tokens, "steps": eng.stats.steps,
+            "preemptions": eng.stats.preemptions, "cuts_moved": moved[0], "computed": eng.stats.computed_tokens, "steps": eng.stats.steps,
             "decode_batch": statistics.mean(sum(1 for n, _ in sc if n == 1) for sc in sched if sc)}
 
 

@@ -249,7 +249,8 @@ class Scheduler:
             if (other := self._prefill_computing(seq)) is not None:
                 blocked.add(seq.seq_id)
                 waiters[other.seq_id] = waiters.get(other.seq_id, 0) + 1
-        for seq in sorted([*prefilling, *self.waiting], key=lambda s: self._rank(s, waiters.get(s.seq_id, 0))):
+        ranked = sorted([*prefilling, *self.waiting], key=lambda s: self._rank(s, waiters.get(s.seq_id, 0)))
+        for seq in self._older_first_at_the_cut(ranked, budget, blocked):
             if budget <= 0:
                 break
             if seq.status is Status.RUNNING:
@@ -268,6 +269,55 @@ class Scheduler:
                 elif admitting:                   # the first that waits for blocks: the head
                     admitting, head_wait = False, self._steps_to_blocks(seq)
         return out
+
+    def _need(self, seq: Sequence) -> int:
+        """Tokens ``seq`` computes to its first token: what a running prompt has left, or a waiting one's uncached
+        prompt as last ranked."""
+        return seq.remaining if seq.status is Status.RUNNING else seq.num_tokens - seq.hit_tokens
+
+    def _first_tokens(self, order: list[Sequence], budget: int, blocked: set[int]) -> tuple[int, Sequence | None]:
+        """Handing ``budget`` out in ``order`` as the step does: how many requests without a token get it this step,
+        and the first one cut short by the budget (None: nobody). A waiting request is admitted while its blocks
+        fit (the first that does not fit stops admission, as the step's head); backfilling is left out."""
+        done, bm, admitting = 0, self.blocks, True
+        free = bm.num_free
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.seq_id in blocked:
+                continue
+            if seq.status is not Status.RUNNING:
+                blocks = bm.needed(seq, bm.match(seq)[0]) if admitting else free + 1
+                if blocks > free:
+                    admitting = False
+                    continue
+                free -= blocks
+            need = self._need(seq)
+            if seq.first_token_s is None:
+                if need <= budget:
+                    done += 1
+                else:
+                    return done, seq
+            budget -= need
+        return done, None
+
+    def _older_first_at_the_cut(self, order: list[Sequence], budget: int, blocked: set[int]) -> list[Sequence]:
+        """Where the step's budget (not its blocks) cuts a prompt short that would finish in this step but for
+        requests that arrived after it and were ranked before it, it goes first when that gives as many first
+        tokens this step: the cut falls on the later arrival. Shortest-first gains nothing there (one of them gets
+        its token a step later either way), and the earlier arrival's wait is the one that sets the tail. A prompt
+        that cannot finish in this step is not moved, so a short follow-up still passes a long prefill."""
+        count, cut = self._first_tokens(order, budget, blocked)
+        if cut is None or self._need(cut) > budget or self._rank(cut)[0] != 1:
+            return order
+        i = order.index(cut)
+        later = [s for s in order[:i] if s.seq_id > cut.seq_id and self._rank(s)[0] == 1]
+        if not later:
+            return order
+        ahead = [s for s in order[:i] if s not in later]
+        moved = [*ahead, cut, *later, *order[i + 1:]]
+        again, still_cut = self._first_tokens(moved, budget, blocked)
+        return moved if again >= count and still_cut is not cut else order
 
     def _steps_to_finish(self, seq: Sequence) -> int:
         """Steps until ``seq`` is done at the latest if it runs every step: its uncached prompt at the full budget
