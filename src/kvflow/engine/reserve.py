@@ -25,8 +25,10 @@ logits. On tiny (512 tokens, ~20K-token sequences) that is 40 MiB against one-st
 The probe: the steps such an engine runs — the budget's tokens as a prompt's first
 chunk, as a chunk half-way to the longest sequence the engine holds and at its end, with decode steps between them,
 back to back (one "window", see ``_window``) — through the engine's own ``BatchRunner`` over a throw-away paged
-cache. Three windows are run; the reserve is the highest peak plus the spread between the three (identical windows
-read apart by up to ~10% on CPU: glibc's heap keeps freed pages in a history-dependent layout). The peak is
+cache. A first window over a short context sets up the kernels and thread pools for the budget's shapes; what they
+keep resident after it is counted once. Three windows are then run; the reserve is that kept memory plus the
+highest peak plus the spread between the three (identical windows read apart by up to ~10% on CPU: glibc's heap
+keeps freed pages in a history-dependent layout). The peak is
 
 * on CPU: the process's peak resident memory during the window above its resident memory before it — glibc's free
   memory is handed back first (``malloc_trim``) and the kernel's high-water mark reset (``/proc/self/clear_refs``
@@ -149,24 +151,27 @@ def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model
     key = (runner.fingerprint, tokens, limit, seqs, str(device), torch.get_num_threads(), host_memory.in_force())
     if key not in _CACHE:
         probe = _CUDAPeak(device) if device.type == "cuda" else _HostPeak()
-        # a first window of the budget's shapes over a short context, unmeasured: the kernels' and thread pools'
-        # set-up for those shapes is not reserve (after a 16-token one, the first measured window of tiny at 128
-        # tokens read 3.96 MB against 2.47 for the next two, and their spread made the reserve 5.5 MB)
-        _window(runner, tokens, min(limit, tokens), device, None, seqs)
-
         def peak(seq_len: int) -> int:      # identical windows read apart by the heap's state: add their spread
             reads = [_window(runner, tokens, seq_len, device, probe, seqs) for _ in range(PROBE_WINDOWS)]
             return max(reads) + (max(reads) - min(reads))
 
         try:
+            # a first window of the budget's shapes over a short context: the memory the kernels and thread pools
+            # keep once set up for those shapes is counted once, as what it holds after the window (``kept``), not
+            # as a peak — inside a measured window it read as a peak and again in the windows' spread (after a
+            # 16-token warm-up, the first window of tiny at 128 tokens read 3.96 MB against 2.47 for the next two,
+            # and the reserve 5.5 MB); left out, served steps went up to 2.7 MiB over the budget (`bench elastic`)
+            probe.start()
+            _window(runner, tokens, min(limit, tokens), device, None, seqs)
+            kept = probe.held()
             far = max(PROBE_CONTEXT, 2 * tokens)
             if tokens >= limit or limit <= far:
-                _CACHE[key] = max(1, peak(limit))
+                _CACHE[key] = max(1, peak(limit) + kept)
             else:
                 near, at_far = peak(far // 2), peak(far)
                 floor = runner.shape.kv_bytes_per_token_layer(runner.dtype)      # gathered K and V per key
                 slope = max((at_far - near) / (far - far // 2), floor)
-                _CACHE[key] = max(1, int(at_far + slope * (limit - far)))
+                _CACHE[key] = max(1, int(at_far + slope * (limit - far)) + kept)
         except OSError as err:
             _CACHE[key] = formula_reserve(runner, tokens)
             log.warning("activation reserve not measurable here (%s); using the shape formula: %d B", err, _CACHE[key])
@@ -307,6 +312,11 @@ class _HostPeak:
     def peak(self) -> int:
         return _status_bytes("VmHWM:") - self.base
 
+    def held(self) -> int:
+        """Resident memory still held above ``start``'s level once freed heap pages are handed back."""
+        release_freed_memory()
+        return max(0, _status_bytes("VmRSS:") - self.base)
+
 
 class _CUDAPeak:
     """torch's CUDA allocator peak above its allocated bytes at ``start``. UNTESTED here: no GPU on this machine."""
@@ -322,3 +332,7 @@ class _CUDAPeak:
     def peak(self) -> int:
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - self.base
+
+    def held(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return max(0, torch.cuda.memory_allocated(self.device) - self.base)
