@@ -1,6 +1,6 @@
 """The restore tables of docs/BENCHMARKS.md, read from a `kvflow bench restore` JSON (nothing typed by hand).
 
-    .venv/bin/python docs/bench/restore_table.py docs/bench/restore-run7.json
+    .venv/bin/python docs/bench/restore_table.py docs/bench/restore-8k.json
 
 Prints the rho-sweep table (medians of the run's interleaved repeats), the ratios issue 9 asks for, and each
 point's tail after the grid (ttft_s - restore_s) for `token` and `staircase`.
