@@ -48,8 +48,8 @@ def replay(kind: str, level: str, share: float, policy: str, model: str, per_req
     schedule = eng.scheduler.schedule
     reorder = eng.scheduler._older_first_at_the_cut
 
-    def counted(order, budget, blocked):            # steps where the budget's cut was moved to a later arrival
-        out = reorder(order, budget, blocked)
+    def counted(order, ranks, budget, blocked):     # steps where the budget's cut was moved to a later arrival
+        out = reorder(order, ranks, budget, blocked)
         moved[0] += out is not order
         return out
     eng.scheduler._older_first_at_the_cut = counted
@@ -130,7 +130,8 @@ def replay(kind: str, level: str, share: float, policy: str, model: str, per_req
             "itl_p50": statistics.median(gaps) if gaps else float("nan"), "itl_p99": p99(gaps),
             "itl_max": max(gaps, default=float("nan")), "wall": wall,
             "tok_s": sum(len(m["out"]) for m in meta.values()) / wall, "swaps": eng.stats.swaps,
-            "preemptions": eng.stats.preemptions, "cuts_moved": moved[0], "computed": eng.stats.computed_tokens, "steps": eng.stats.steps,
+            "preemptions": eng.stats.preemptions, "cuts_moved": moved[0], "computed": eng.stats.computed_tokens,
+            "steps": eng.stats.steps,
             "decode_batch": statistics.mean(sum(1 for n, _ in sc if n == 1) for sc in sched if sc)}
 
 

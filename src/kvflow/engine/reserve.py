@@ -166,12 +166,13 @@ def measure_activation_reserve(runner, max_num_batched_tokens: int, *, max_model
             kept = probe.held()
             far = max(PROBE_CONTEXT, 2 * tokens)
             if tokens >= limit or limit <= far:
-                _CACHE[key] = max(1, peak(limit) + kept)
+                step = peak(limit)
             else:
                 near, at_far = peak(far // 2), peak(far)
                 floor = runner.shape.kv_bytes_per_token_layer(runner.dtype)      # gathered K and V per key
                 slope = max((at_far - near) / (far - far // 2), floor)
-                _CACHE[key] = max(1, int(at_far + slope * (limit - far)) + kept)
+                step = int(at_far + slope * (limit - far))
+            _CACHE[key] = max(1, step + kept)
         except OSError as err:
             _CACHE[key] = formula_reserve(runner, tokens)
             log.warning("activation reserve not measurable here (%s); using the shape formula: %d B", err, _CACHE[key])

@@ -249,8 +249,9 @@ class Scheduler:
             if (other := self._prefill_computing(seq)) is not None:
                 blocked.add(seq.seq_id)
                 waiters[other.seq_id] = waiters.get(other.seq_id, 0) + 1
-        ranked = sorted([*prefilling, *self.waiting], key=lambda s: self._rank(s, waiters.get(s.seq_id, 0)))
-        for seq in self._older_first_at_the_cut(ranked, budget, blocked):
+        ranks = {s.seq_id: self._rank(s, waiters.get(s.seq_id, 0)) for s in (*prefilling, *self.waiting)}
+        ranked = sorted([*prefilling, *self.waiting], key=lambda s: ranks[s.seq_id])
+        for seq in self._older_first_at_the_cut(ranked, ranks, budget, blocked):
             if budget <= 0:
                 break
             if seq.status is Status.RUNNING:
@@ -287,7 +288,9 @@ class Scheduler:
             if seq.seq_id in blocked:
                 continue
             if seq.status is not Status.RUNNING:
-                blocks = bm.needed(seq, bm.match(seq)[0]) if admitting else free + 1
+                if not admitting:
+                    continue
+                blocks = bm.needed(seq, bm.match(seq)[0])
                 if blocks > free:
                     admitting = False
                     continue
@@ -301,17 +304,19 @@ class Scheduler:
             budget -= need
         return done, None
 
-    def _older_first_at_the_cut(self, order: list[Sequence], budget: int, blocked: set[int]) -> list[Sequence]:
+    def _older_first_at_the_cut(self, order: list[Sequence], ranks: dict[int, tuple], budget: int,
+                                blocked: set[int]) -> list[Sequence]:
         """Where the step's budget (not its blocks) cuts a prompt short that would finish in this step but for
         requests that arrived after it and were ranked before it, it goes first when that gives as many first
         tokens this step: the cut falls on the later arrival. Shortest-first gains nothing there (one of them gets
         its token a step later either way), and the earlier arrival's wait is the one that sets the tail. A prompt
-        that cannot finish in this step is not moved, so a short follow-up still passes a long prefill."""
+        that cannot finish in this step is not moved, so a short follow-up still passes a long prefill. ``ranks``:
+        each one's ``_rank`` as ``order`` was sorted by (due requests, class 0, keep their place)."""
         count, cut = self._first_tokens(order, budget, blocked)
-        if cut is None or self._need(cut) > budget or self._rank(cut)[0] != 1:
+        if cut is None or self._need(cut) > budget or ranks[cut.seq_id][0] != 1:
             return order
         i = order.index(cut)
-        later = [s for s in order[:i] if s.seq_id > cut.seq_id and self._rank(s)[0] == 1]
+        later = [s for s in order[:i] if s.seq_id > cut.seq_id and ranks[s.seq_id][0] == 1]
         if not later:
             return order
         ahead = [s for s in order[:i] if s not in later]
