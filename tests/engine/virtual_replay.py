@@ -6,7 +6,7 @@ else the machine is running: two scheduler versions compare exactly, side by sid
 the model's, not measured (docs/BENCHMARKS.md has those).
 
     PYTHONPATH=src python -m tests.engine.virtual_replay prefix light --share 0.25 [--policy remaining-work]
-        [--requests] [--steps]
+        [--starvation F] [--requests] [--steps]
 
 Prints one line: TTFT mean / P50 / P99 (later turns' P99), ITL P50 / P99 / max, wall, output tokens/s, swaps,
 preemptions, the steps whose budget cut was moved to a later arrival, computed tokens, steps and the mean decode
@@ -34,7 +34,8 @@ def p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, round(0.99 * (len(xs) - 1)))] if xs else float("nan")
 
 
-def replay(kind: str, level: str, share: float, policy: str, model: str, per_request: bool, per_step: bool) -> dict:
+def replay(kind: str, level: str, share: float, policy: str, model: str, per_request: bool, per_step: bool,
+           starvation: float | None = None) -> dict:
     o = MatrixOptions(workloads=(kind,))                  # the matrix's shape, block and step sizes
     w = workload_of(o, kind, SHAPES[kind].rates[level])
     base = ServeRunOptions(w, model=model, configs="cacheflow", block_size=o.block_size, max_batched=o.max_batched,
@@ -44,6 +45,8 @@ def replay(kind: str, level: str, share: float, policy: str, model: str, per_req
     runner, tok, cost = loaded[0], loaded[1], p.cost
     layers = cost.num_layers
     eng = in_fresh_thread(kvflow_engine, runner, tokenizer=tok, **engine_options(base, p, "cacheflow", policy))
+    if starvation is not None:                # the bench builds its EngineConfig itself: KVFLOW_ENGINE_* is not read
+        eng.scheduler.config.starvation_factor = starvation
     sched, clock, moved = [], [0.0], [0]
     schedule = eng.scheduler.schedule
     reorder = eng.scheduler._older_first_at_the_cut
@@ -125,6 +128,7 @@ def replay(kind: str, level: str, share: float, policy: str, model: str, per_req
     ttft = [m["first"] for m in meta.values()]
     wall = clock[0]
     return {"workload": kind, "level": level, "share": share, "policy": policy,
+            "starvation": eng.scheduler.config.starvation_factor,
             "ttft_mean": statistics.mean(ttft), "ttft_p50": statistics.median(ttft), "ttft_p99": p99(ttft),
             "later_p99": p99([m["first"] for m in meta.values() if m["turn"] > 0]),
             "itl_p50": statistics.median(gaps) if gaps else float("nan"), "itl_p99": p99(gaps),
@@ -141,11 +145,12 @@ def main() -> None:
     ap.add_argument("level", choices=("light", "saturated"))
     ap.add_argument("--share", type=float, default=0.25, help="KV budget as a share of the working set (0.25, 1)")
     ap.add_argument("--policy", default="remaining-work", choices=("remaining-work", "first-token", "fcfs"))
+    ap.add_argument("--starvation", type=float, default=None, help="engine.starvation_factor F (default: the engine's)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--requests", action="store_true", help="a line per request")
     ap.add_argument("--steps", action="store_true", help="a line per step")
     a = ap.parse_args()
-    r = replay(a.workload, a.level, a.share, a.policy, a.model, a.requests, a.steps)
+    r = replay(a.workload, a.level, a.share, a.policy, a.model, a.requests, a.steps, a.starvation)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
 
 
