@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--requests", action="store_true", help="a line per request")
     ap.add_argument("--steps", action="store_true", help="a line per step")
     a = ap.parse_args()
+    if a.starvation is not None and a.starvation < 1:
+        ap.error(f"--starvation must be >= 1 (engine.starvation_factor), got {a.starvation:g}")
     r = replay(a.workload, a.level, a.share, a.policy, a.model, a.requests, a.steps, a.starvation)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
 
