@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).with_name("csrc").glob("*.cpp")))
 HEADERS = tuple(sorted(Path(__file__).with_name("csrc").glob("*.h")))
-OPS = ("paged_decode", "rms_norm", "add_rms_norm", "rotary_", "silu_mul")
+OPS = ("paged_decode", "rms_norm", "add_rms_norm", "rotary_", "silu_mul", "paged_chunks", "chunk_attention")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}     # "ok": bool once tried, "error": why not

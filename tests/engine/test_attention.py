@@ -112,10 +112,11 @@ def test_the_model_keeps_its_attention_implementation_after_a_step(tiny):
 def test_a_step_holds_one_sequences_or_one_groups_gathered_kv_at_a_time(tiny, monkeypatch):
     """Packed attention gathers each sequence's keys (or one group of short decodes') just before its SDPA and frees
     them after: a step batching many decodes never holds more than the longest sequence's K/V of one layer or one
-    group's GROUP_BYTES (what bounds the reserve). The copying path: without the native op."""
+    group's GROUP_BYTES (what bounds the reserve). The copying path: without the native ops."""
     import weakref
 
     monkeypatch.setenv("KVFLOW_DECODE_ATTENTION", "torch")
+    monkeypatch.setenv("KVFLOW_CHUNK_ATTENTION", "torch")
 
     from kvflow.engine import attention
 

@@ -51,17 +51,25 @@ def test_decodes_attended_in_groups_come_back_in_the_items_order(tiny, monkeypat
         assert (row - ref).abs().max().item() <= 1e-4 and row.argmax() == ref.argmax()
 
 
-@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("path", ["grouped", "one by one", "native"])
 def test_follow_ups_on_cached_histories_attended_as_one_group_give_each_sequences_own_logits(tiny, monkeypatch,
-                                                                                             grouped):
-    """Three chunks that continue their histories (over scattered blocks) plus a decode in one step: attended as one
-    group (attention.SegmentGroup) or one by one, each item's logits are its own prefill's."""
+                                                                                             path):
+    """Three chunks that continue their histories (over scattered blocks) plus a decode in one step: attended in
+    place by the native chunk op, or (torch's path) as one group (attention.SegmentGroup) or one by one, each item's
+    logits are its own prefill's."""
     from kvflow.engine import model_runner
+    from kvflow.model import chunk_attention
+    if path == "native" and not chunk_attention.available():
+        pytest.skip("the native chunk op is not built here")
+    if path != "native":
+        monkeypatch.setenv("KVFLOW_CHUNK_ATTENTION", "torch")
+    grouped = path == "grouped"
     made, group = [], model_runner.groups_of_segments
     monkeypatch.setattr(model_runner, "groups_of_segments", lambda segs, *a: made.append(group(segs, *a)) or
                         made[-1] if grouped else ([], segs))
     cache = PagedKVCache(tiny.num_layers, 40, 4, tiny.kv_heads, tiny.head_dim)
     runner = BatchRunner(tiny, cache)
+    assert runner.native_chunks == (path == "native")
     a, b, c, d = ids(29, 1), ids(14, 2), ids(22, 3), ids(9, 4)
     tables = {"a": list(range(0, 8)), "b": [20, 9, 33, 17], "c": [31, 8, 12, 30, 25, 26], "d": [15, 14, 13]}
     runner.execute([StepItem(tables["a"], 0, a[:17], False), StepItem(tables["b"], 0, b[:5], False),

@@ -121,15 +121,38 @@ def test_kv_block_round_trip_layout(tiny):
 
 
 def test_a_continuing_chunk_attends_without_a_mask_except_under_a_window(families, monkeypatch):
-    """Chunks at start > 0 of windowless layers take the prefix + diagonal split (model/attention.py); a chunk from
-    position 0, a single query and sliding-window layers keep SDPA — and the model's attention setting is kvflow's."""
+    """torch's path: chunks at start > 0 of windowless layers take the prefix + diagonal split (model/attention.py);
+    a chunk from position 0, a single query and sliding-window layers keep SDPA — and the model's attention setting
+    is kvflow's."""
     from kvflow.model import attention
+    monkeypatch.setenv("KVFLOW_CHUNK_ATTENTION", "torch")
     calls = []
     real = attention.prefix_plus_diagonal
     monkeypatch.setattr(attention, "prefix_plus_diagonal", lambda *a: calls.append(a[3]) or real(*a))
     for family, want in (("llama", [40] * 4), ("mistral-sliding", [])):
         runner, ids = families[family], _ids(61, 7)
         assert runner.config._attn_implementation == attention.NAME
+        calls.clear()
+        cache = runner.new_cache(61)
+        runner.prefill_range(cache, ids[:40], 0)
+        runner.prefill_range(cache, ids[40:60], 40)
+        hidden = runner.prefill_range(cache, ids[60:], 60)
+        assert calls == want, family
+        _assert_exact(runner, cache, 61, runner.logits(hidden), ids)
+
+
+def test_with_the_native_op_every_chunk_of_a_windowless_layer_goes_native(families, monkeypatch):
+    """The native chunk op (model/chunk_attention.py) takes every chunk of a windowless layer — from position 0, on
+    a prefix, a single query — and sliding-window layers keep SDPA; the logits are the full prefill's."""
+    from kvflow.model import attention, chunk_attention
+    if not chunk_attention.available():
+        pytest.skip("the native chunk op is not built here")
+    calls, real = [], chunk_attention.dense
+    monkeypatch.setattr(chunk_attention, "dense", lambda q, k, v, start, *a: calls.append(start) or
+                        real(q, k, v, start, *a))
+    monkeypatch.setattr(attention, "prefix_plus_diagonal", None)        # never reached
+    for family, want in (("llama", [0] * 4 + [40] * 4 + [60] * 4), ("mistral-sliding", [])):
+        runner, ids = families[family], _ids(61, 7)
         calls.clear()
         cache = runner.new_cache(61)
         runner.prefill_range(cache, ids[:40], 0)

@@ -49,6 +49,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvflow.engine import paged_decode
 from kvflow.engine.paged_cache import VIEW_MIN_TOKENS
+from kvflow.model import chunk_attention
 from kvflow.model.attention import prefix_plus_diagonal, splits_at_the_chunk
 
 MASK_ELEMENTS = 1 << 20      # queries x keys of one masked SDPA call at most: a long chunk runs in blocks of rows
@@ -136,6 +137,34 @@ class PagedDecodes:
     @property
     def count(self) -> int:
         return self.lengths.numel()
+
+
+@dataclass(slots=True)
+class PagedChunks:
+    """The step's prefill chunks at packed rows [q0, q1), attended in place by the native chunk op
+    (model/chunk_attention.py): chunk i's queries are rows q0 + offsets[i] .. q0 + offsets[i + 1] - 1, at positions
+    starts[i] ..., its keys positions [0, starts[i] + its queries) in the blocks of row i of ``tables``."""
+    q0: int
+    q1: int
+    starts: torch.Tensor       # [count] int64
+    offsets: torch.Tensor      # [count + 1] int64
+    tables: torch.Tensor       # [count, max blocks] int64 (padded with each row's first block)
+
+
+def paged_chunks(q0: int, starts: list[int], counts: list[int], tables: list[list[int]], block_size: int,
+                 device) -> list[PagedChunks]:
+    """The chunks at packed rows q0 ... (``counts`` queries each, from ``starts``; block tables ``tables``) as one
+    call of the native op per layer (none when there are none)."""
+    if not starts:
+        return []
+    rows = [t[:(s + n + block_size - 1) // block_size] for t, s, n in zip(tables, starts, counts)]
+    width = max(len(r) for r in rows)
+    offsets = [0]
+    for n in counts:
+        offsets.append(offsets[-1] + n)
+    return [PagedChunks(q0, q0 + offsets[-1], torch.tensor(starts, dtype=torch.long, device=device),
+                        torch.tensor(offsets, dtype=torch.long, device=device),
+                        torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], dtype=torch.long, device=device))]
 
 
 def in_a_group(n: int, end: int, native: bool = False) -> bool:
@@ -285,11 +314,12 @@ class StepMasks:
 def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                      kvflow_segments: list[Segment] | None = None, kvflow_windows=None, kvflow_cache=None,
                      kvflow_masks: StepMasks | None = None, kvflow_decodes: list = (),
-                     kvflow_groups: list[SegmentGroup] = (), **kwargs):
+                     kvflow_groups: list[SegmentGroup] = (), kvflow_chunks: list[PagedChunks] = (), **kwargs):
     """With ``kvflow_segments``: ``key``/``value`` are only the step's new K/V (already written to ``kvflow_cache``);
     each segment's keys are gathered from the cache. ``kvflow_masks``: the step's masks, shared by its layers.
     ``kvflow_decodes``: the decodes at the first rows of the step, as DecodeGroups or one PagedDecodes (the segments
-    follow them). ``kvflow_groups``: chunks attended together (SegmentGroup), at rows no segment has."""
+    follow them). ``kvflow_groups``: chunks attended together (SegmentGroup), at rows no segment has.
+    ``kvflow_chunks``: chunks attended in place by the native op (PagedChunks), at rows no segment has."""
     if kvflow_segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -315,6 +345,10 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask(window), scale=scaling, enable_gqa=gqa)
         out[0, g.q0:g.q0 + g.count] = o.squeeze(2)
         del k, v
+    for c in kvflow_chunks:
+        out[0, c.q0:c.q1] = chunk_attention.paged(query[0, :, c.q0:c.q1].transpose(0, 1), kvflow_cache.kv[layer],
+                                                  c.tables, c.starts, c.offsets, kvflow_cache.block_size,
+                                                  query.shape[-1] ** -0.5 if scaling is None else scaling, window)
     for g in kvflow_groups:
         k, v = kvflow_cache.gather_padded(layer, g.index, g.count, g.keys)
         hq, d = query.shape[1], query.shape[3]

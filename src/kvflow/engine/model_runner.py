@@ -24,8 +24,9 @@ import torch
 
 from kvflow.engine import paged_decode
 from kvflow.engine.attention import (Segment, StepMasks, groups_of_decodes, groups_of_segments, in_a_group,
-                                     packed_attention, paged_decodes)
+                                     packed_attention, paged_chunks, paged_decodes)
 from kvflow.engine.paged_cache import PagedKVCache
+from kvflow.model import chunk_attention
 from kvflow.model.runner import ModelRunner
 
 
@@ -63,6 +64,9 @@ class BatchRunner:
         self._windows = [runner._sliding_window(i) for i in range(runner.num_layers)]
         # every decode read in place by the native op on the host (paged_decode.py), else short ones copied in groups
         self.native = cache.device.type == "cpu" and cache.kv.dtype == torch.float32 and paged_decode.available()
+        # every chunk over at most MAX_KEYS keys read in place by the native chunk op, else a segment of its own
+        self.native_chunks = cache.device.type == "cpu" and cache.kv.dtype == torch.float32 and \
+            cache.head_dim % 16 == 0 and chunk_attention.available()
 
     def execute(self, items: list[StepItem]) -> torch.Tensor:
         """Run the step; returns fp32 logits [n_sample, vocab] of the items with ``sample``, in order (on the host)."""
@@ -72,15 +76,17 @@ class BatchRunner:
                         if in_a_group(len(it.token_ids), it.start + len(it.token_ids), self.native)),
                        key=lambda i: -items[i].start)           # attended in groups: the first rows, longest first
         grouped = set(short)
+        inplace = [i for i in range(len(items)) if i not in grouped and self.native_chunks
+                   and items[i].start + len(items[i].token_ids) <= chunk_attention.MAX_KEYS]   # after the decodes
         ids, qpos, write, segments, seg_tables, row = [], [], [], [], [], {}
         q0 = 0
-        for i in short + [i for i in range(len(items)) if i not in grouped]:
+        for i in short + inplace + [i for i in range(len(items)) if i not in grouped and i not in inplace]:
             it = items[i]
             n, end = len(it.token_ids), it.start + len(it.token_ids)
             ids.extend(it.token_ids)
             qpos.append(torch.arange(it.start, end, device=cache.device))
             write.append(cache.slots(it.block_table, it.start, end))
-            if i not in grouped:
+            if i not in grouped and i not in inplace:
                 segments.append(Segment(q0, q0 + n, it.start, cache.blocks(it.block_table, end),
                                         cache.run_start(it.block_table, end)))
                 seg_tables.append(it.block_table)
@@ -92,6 +98,9 @@ class BatchRunner:
         decodes = paged_decodes(ends, tables, cache.block_size, cache.device) if self.native else \
             groups_of_decodes(ends, tables, cache.block_size, cache.num_blocks, self.max_group_keys, per_key,
                               cache.device)
+        inplace_chunks = paged_chunks(len(short), [items[i].start for i in inplace],
+                                      [len(items[i].token_ids) for i in inplace],
+                                      [items[i].block_table for i in inplace], cache.block_size, cache.device)
         chunks, segments = groups_of_segments(segments, seg_tables, cache.block_size, cache.num_blocks,
                                               self.max_group_keys, per_key, cache.device)
         slot, masks = _StepSlot(cache, torch.cat(write)), StepMasks()
@@ -104,7 +113,7 @@ class BatchRunner:
                                 position_embeddings=position_embeddings, use_cache=True,
                                 kvflow_attend=packed_attention, kvflow_segments=segments,
                                 kvflow_windows=self._windows, kvflow_cache=cache, kvflow_masks=masks,
-                                kvflow_decodes=decodes, kvflow_groups=chunks,
+                                kvflow_decodes=decodes, kvflow_groups=chunks, kvflow_chunks=inplace_chunks,
                                 **{self._cache_kw: slot})
                 if isinstance(hidden, tuple):
                     hidden = hidden[0]

@@ -11,8 +11,9 @@ Every ModelRunner's model attends through :func:`attention` (registered with tra
 time cannot see each other's setting):
 
     kvflow_attend=fn   the caller's own attention for this call (the engine's packed step: engine/attention.py)
-    kvflow_start=s     a chunk at positions [s, s + n) of a windowless layer: the split below, when it applies
-                       (CPU, s > 0, n > 1)
+    kvflow_start=s     a chunk at positions [s, s + n) of a windowless layer: on the host over at most
+                       chunk_attention.MAX_KEYS keys the native chunk op (model/chunk_attention.py), else the
+                       split below, when it applies (CPU, s > 0, n > 1)
     neither            transformers' own ``sdpa`` with the same arguments — what anything else calling the model
                        (``generate``, a reference prefill) gets
 """
@@ -23,6 +24,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
+
+from kvflow.model import chunk_attention
 
 NAME = "kvflow"
 
@@ -62,6 +65,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     """transformers' attention signature (module docstring for the two keywords)."""
     if kvflow_attend is not None:
         return kvflow_attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if kvflow_start is not None and chunk_attention.fits(kvflow_start + query.shape[2], query.shape[-1], query, key,
+                                                         value) and chunk_attention.available():
+        return chunk_attention.dense(query, key, value, kvflow_start,
+                                     query.shape[-1] ** -0.5 if scaling is None else scaling, None), None
     if kvflow_start is not None and splits_at_the_chunk(query, kvflow_start, query.shape[2], None):
         return prefix_plus_diagonal(query, key, value, kvflow_start, scaling).transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

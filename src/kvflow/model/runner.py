@@ -28,7 +28,7 @@ import xxhash
 
 from kvflow.config import env_int
 from kvflow.errors import ModelError
-from kvflow.model import attention, catalog
+from kvflow.model import attention, catalog, chunk_attention
 from kvflow.model.attention import splits_at_the_chunk
 from kvflow.model.device import default_dtype
 from kvflow.model.device import resolve as resolve_device
@@ -226,7 +226,9 @@ class ModelRunner:
         hidden = hidden.to(self.device, self.dtype)     # stage inputs: fp32 activations from the pool, the host
         end = start + hidden.shape[1]
         assert 0 <= l0 <= l1 <= self.num_layers and end <= cache.capacity, (layers, start, end, cache.capacity)
-        split = splits_at_the_chunk(hidden, start, end - start, None)    # windowless layers: no mask (attention.py)
+        # windowless layers: no mask — the native chunk op, else prefix + diagonal (attention.py)
+        split = splits_at_the_chunk(hidden, start, end - start, None) or (
+            chunk_attention.fits(end, self.head_dim, hidden) and chunk_attention.available())
         with torch.inference_mode():
             position_ids = torch.arange(start, end, device=self.device).view(1, -1)
             position_embeddings = self._base.rotary_emb(hidden, position_ids)
