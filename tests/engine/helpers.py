@@ -48,3 +48,16 @@ def break_sampling_of_seed(monkeypatch, message: str = "this request's sampler b
         return real(logits, params, generator)
     monkeypatch.setattr(engine_mod, "sample", flaky)
     return BROKEN_SEED
+
+
+def record_gathers(monkeypatch) -> list:
+    """Every copy of K/V out of the paged cache from now on (a segment's gather or a group's), as a list the caller
+    reads: empty when everything was attended in place."""
+    from kvflow.engine.paged_cache import PagedKVCache
+    gathered = []
+    gather, gather_padded = PagedKVCache.gather, PagedKVCache.gather_padded
+    monkeypatch.setattr(PagedKVCache, "gather", lambda self, layer, blocks, end, first=None:
+                        gathered.append(("segment", end)) or gather(self, layer, blocks, end, first))
+    monkeypatch.setattr(PagedKVCache, "gather_padded", lambda self, *a: gathered.append(("group",)) or
+                        gather_padded(self, *a))
+    return gathered

@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.engine import EngineConfig, LLMEngine, SamplingParams, paged_decode
-from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.errors import ConfigError
-from tests.engine.helpers import hf_greedy
+from tests.engine.helpers import hf_greedy, record_gathers
 
 pytestmark = pytest.mark.skipif(not paged_decode.available(), reason="the native paged decode op is not built here")
 
@@ -58,12 +57,7 @@ def test_the_op_refuses_a_length_beyond_its_table_or_a_block_beyond_the_cache():
 
 
 def test_an_engine_with_the_op_gathers_no_kv_for_decodes_or_first_chunks(tiny, monkeypatch):
-    gathered = []
-    gather, gather_padded = PagedKVCache.gather, PagedKVCache.gather_padded
-    monkeypatch.setattr(PagedKVCache, "gather", lambda self, layer, blocks, end, first=None:
-                        gathered.append(("segment", end)) or gather(self, layer, blocks, end, first))
-    monkeypatch.setattr(PagedKVCache, "gather_padded", lambda self, *a: gathered.append(("group",)) or
-                        gather_padded(self, *a))
+    gathered = record_gathers(monkeypatch)
     engine = LLMEngine(tiny, EngineConfig(kv_budget=8 << 20))
     assert engine.batch_runner.native
     prompts = [[(7 * i + j) % 500 + 1 for j in range(40 + 30 * i)] for i in range(3)]

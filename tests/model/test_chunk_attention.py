@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
-from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.errors import ConfigError
 from kvflow.model import chunk_attention
-from tests.engine.helpers import hf_greedy
+from tests.engine.helpers import hf_greedy, record_gathers
 
 pytestmark = pytest.mark.skipif(not chunk_attention.available(), reason="the native chunk op is not built here")
 
@@ -90,12 +89,7 @@ def test_the_op_refuses_what_it_cannot_read():
 
 
 def test_an_engines_chunks_are_read_in_place_and_its_tokens_equal_generate(tiny, monkeypatch):
-    gathered = []
-    gather, gather_padded = PagedKVCache.gather, PagedKVCache.gather_padded
-    monkeypatch.setattr(PagedKVCache, "gather", lambda self, layer, blocks, end, first=None:
-                        gathered.append(("segment", end)) or gather(self, layer, blocks, end, first))
-    monkeypatch.setattr(PagedKVCache, "gather_padded", lambda self, *a: gathered.append(("group",)) or
-                        gather_padded(self, *a))
+    gathered = record_gathers(monkeypatch)
     engine = LLMEngine(tiny, EngineConfig(kv_budget=8 << 20, max_num_batched_tokens=64))
     assert engine.batch_runner.native_chunks
     base = [(5 * j) % 500 + 1 for j in range(150)]

@@ -120,6 +120,14 @@ def test_kv_block_round_trip_layout(tiny):
     assert torch.equal(other.values[1][0, :, 10:60], cache.values[1][0, :, 10:60])
 
 
+def _three_chunks_exact(runner, ids):
+    """61 tokens prefilled as chunks [0, 40), [40, 60), [60, 61): the logits and KV are the full prefill's."""
+    cache = runner.new_cache(61)
+    runner.prefill_range(cache, ids[:40], 0)
+    runner.prefill_range(cache, ids[40:60], 40)
+    _assert_exact(runner, cache, 61, runner.logits(runner.prefill_range(cache, ids[60:], 60)), ids)
+
+
 def test_a_continuing_chunk_attends_without_a_mask_except_under_a_window(families, monkeypatch):
     """torch's path: chunks at start > 0 of windowless layers take the prefix + diagonal split (model/attention.py);
     a chunk from position 0, a single query and sliding-window layers keep SDPA — and the model's attention setting
@@ -133,12 +141,8 @@ def test_a_continuing_chunk_attends_without_a_mask_except_under_a_window(familie
         runner, ids = families[family], _ids(61, 7)
         assert runner.config._attn_implementation == attention.NAME
         calls.clear()
-        cache = runner.new_cache(61)
-        runner.prefill_range(cache, ids[:40], 0)
-        runner.prefill_range(cache, ids[40:60], 40)
-        hidden = runner.prefill_range(cache, ids[60:], 60)
+        _three_chunks_exact(runner, ids)
         assert calls == want, family
-        _assert_exact(runner, cache, 61, runner.logits(hidden), ids)
 
 
 def test_with_the_native_op_every_chunk_of_a_windowless_layer_goes_native(families, monkeypatch):
@@ -154,9 +158,5 @@ def test_with_the_native_op_every_chunk_of_a_windowless_layer_goes_native(famili
     for family, want in (("llama", [0] * 4 + [40] * 4 + [60] * 4), ("mistral-sliding", [])):
         runner, ids = families[family], _ids(61, 7)
         calls.clear()
-        cache = runner.new_cache(61)
-        runner.prefill_range(cache, ids[:40], 0)
-        runner.prefill_range(cache, ids[40:60], 40)
-        hidden = runner.prefill_range(cache, ids[60:], 60)
+        _three_chunks_exact(runner, ids)
         assert calls == want, family
-        _assert_exact(runner, cache, 61, runner.logits(hidden), ids)
