@@ -29,10 +29,17 @@ def test_a_budget_longer_than_the_context_is_packed_as_several_sequences(tiny):
     assert measure_activation_reserve(tiny, 256, max_model_len=100) > 0
 
 
-def test_a_chunk_at_the_end_of_a_longer_sequence_needs_a_larger_reserve(tiny):
-    """The probe puts the budget's tokens at the end of the longest sequence: they attend to all of it."""
-    short = measure_activation_reserve(tiny, 128, max_model_len=128)
-    assert short < measure_activation_reserve(tiny, 128, max_model_len=4096)
+def test_the_probe_puts_the_budgets_tokens_at_the_end_of_the_longest_sequence(tiny, monkeypatch):
+    """They attend to all of it: the probe's steps include a chunk of the budget's tokens ending at the longest
+    sequence. (It used to compare the reserves at 128 and 4,096 keys; with the native chunk op a short prompt reads
+    its keys in place, consecutive blocks are read as views on torch's path, and what is left of the difference is
+    under the heap's noise: 6.8 against 4.6 MB alone in a process, either order in a full run.)"""
+    from kvflow.engine import reserve
+    ends, spans = [], reserve._spans
+    monkeypatch.setattr(reserve, "_spans", lambda *a, **k: ends.append(max(e for _, e in spans(*a, **k))) or
+                        spans(*a, **k))
+    measure_activation_reserve(tiny, 120, max_model_len=4000)          # a budget no other test caches
+    assert 4000 in ends and all(e <= 4000 for e in ends)
 
 
 @pytest.mark.parametrize("probe_slope", [100, 2000])     # bytes per key the probe steps show: below / above the floor
