@@ -1,5 +1,5 @@
 // Attention of prefill chunks: queries at positions [start, start + n) of their sequences over keys [0, start + n)
-// (causal; with a window, only the last `window` keys of each query), in fp32 on the host (kvflow/engine/
+// (causal; with a window, only the last `window` keys of each query), in fp32 on the host (kvflow/model/
 // chunk_attention.py says when and why).
 //
 //   paged_chunks(q [R, Hq, D], kv [2, S, Hkv, D], tables [B, M], starts [B], offsets [B + 1], block_size, scale,
@@ -12,10 +12,10 @@
 //
 // Flash attention, GQA-aware: a work item is a block of up to kRows query positions of one chunk and one KV head,
 // and that KV head's G query heads are its rows (G x kRows of them), so each key's K and V are read once for all of
-// them. Keys go in tiles of kTile: K's tile is packed transposed ([D][kTile]) and the scores of six rows x sixteen
-// keys at a time are an outer-product kernel (a broadcast query value times two vectors of keys, twelve
-// accumulators); each row keeps its running max and sum (online softmax) and its output in a buffer, to which the
-// tile's p . V adds six rows x sixteen dims at a time. Masked keys (past the query, or before its window) get p = 0.
+// them. Keys go in tiles of kTile: K's tile is packed transposed in strips of 16 keys ([D][16], in double) and the
+// scores of three rows x sixteen keys at a time are an outer-product kernel summed in double (a broadcast query value
+// times four vectors of keys, twelve accumulators; qk_strip says why double); each row keeps its running max and sum
+// (online softmax) and its output in a buffer, to which the tile's p . V adds six rows x sixteen dims at a time. Masked keys (past the query, or before its window) get p = 0.
 // The causal triangle is skipped a block of rows at a time: a block reads keys up to its last query only.
 
 #include <ATen/ATen.h>

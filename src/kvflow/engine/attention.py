@@ -163,14 +163,20 @@ def paged_chunks(q0: int, starts: list[int], counts: list[int], tables: list[lis
     call of the native op per layer (none when there are none)."""
     if not starts:
         return []
-    rows = [t[:(s + n + block_size - 1) // block_size] for t, s, n in zip(tables, starts, counts)]
-    width = max(len(r) for r in rows)
     offsets = [0]
     for n in counts:
         offsets.append(offsets[-1] + n)
     return [PagedChunks(q0, q0 + offsets[-1], torch.tensor(starts, dtype=torch.long, device=device),
                         torch.tensor(offsets, dtype=torch.long, device=device),
-                        torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], dtype=torch.long, device=device))]
+                        padded_tables(tables, [s + n for s, n in zip(starts, counts)], block_size, device))]
+
+
+def padded_tables(tables: list[list[int]], ends: list[int], block_size: int, device) -> torch.Tensor:
+    """[count, widest] int64: each sequence's blocks holding positions [0, end), padded with its own first block (the
+    native ops' block tables)."""
+    rows = [t[:(e + block_size - 1) // block_size] for t, e in zip(tables, ends)]
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
 
 
 def in_a_group(n: int, end: int, native: bool = False) -> bool:
@@ -185,10 +191,8 @@ def paged_decodes(ends: list[int], tables: list[list[int]], block_size: int, dev
     the native op per layer (none when there are none)."""
     if not ends:
         return []
-    rows = [t[:(e + block_size - 1) // block_size] for t, e in zip(tables, ends)]
-    width = max(len(r) for r in rows)
-    padded = torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
-    return [PagedDecodes(0, torch.tensor(ends, dtype=torch.long, device=device), padded)]
+    return [PagedDecodes(0, torch.tensor(ends, dtype=torch.long, device=device),
+                         padded_tables(tables, ends, block_size, device))]
 
 
 def padded_rows(tables: list[list[int]], ends: list[int], nblocks: int, block_size: int, num_blocks: int,
