@@ -4,9 +4,9 @@
     r = Restorer(load_model("tiny"), KVPool.memory())
 """
 
-from kvflow.threads import passive_omp_wait
+from kvflow.threads import our_omp_wait
 
-passive_omp_wait()                 # before torch loads libgomp (kvflow/threads.py)
+our_omp_wait()                     # before torch loads libgomp (kvflow/threads.py, kvflow/spin.py)
 
 from kvflow.errors import KVFlowError  # noqa: E402
 from kvflow.model import KVCache, ModelRunner, load_model  # noqa: E402

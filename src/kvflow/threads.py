@@ -25,23 +25,31 @@ import sys
 import threading
 from typing import Callable, TypeVar
 
-# libgomp's idle workers sleep at once instead of spinning ~300,000 times at every barrier (``OMP_WAIT_POLICY``,
-# read when torch loads libgomp: kvflow/__init__.py sets it before that, unless the caller chose a policy or a
-# ``GOMP_SPINCOUNT``). A served step shares the cores with the HTTP loop, the client and whatever else runs; a
-# spinning worker then holds a core its partner needs, and a region waits for a partner that is descheduled.
-# Measured on the 2-vCPU box under load (load average 5-13, smollm2-135m, engine.generate, 16 steps): batch 1
-# 16.3 s -> 1.2 s, batch 4 128.8 s -> 2.8 s, batch 8 29.2 s -> 5.9 s; one thread alone 4.8 s at batch 4. On the
-# idle box spinning is faster: in-process a decode step of 8 sequences ~105-135 ms against ~200 ms (10,000 spins);
-# served, 10-15% (batch 1 / 8 / 32: 47.5 / 62-78 / 169-173 ms at 100,000 spins against 55.5 / 70.3 / 186 ms) —
-# against the losses above under load. docs/ENGINE.md, "Threads".
-WAIT_POLICY = "PASSIVE"
-WAIT_POLICY_OURS = not ({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ))   # the peer keeps its own
+# libgomp's idle workers spin GOMP_SPINCOUNT rounds at a barrier before they sleep on a futex (read once, when torch
+# loads libgomp: kvflow/__init__.py sets it before that). kvflow's count is a short one — 3,000 rounds, ~0.1 ms of a
+# core on the Zen 4 box — and kvflow/spin.py's governor throttles it to libgomp's 100 whenever other tasks wait for
+# a CPU. Why: on a VM whose idle vCPUs halt at once, waking a sleeping worker goes through the hypervisor, and a
+# served step has hundreds of parallel regions (spinning: 1.1-1.25x faster steps on the idle 2-vCPU box); but a
+# spinning worker holds a core that its partner or anyone else needs (1.25-1.5x slower beside busy processes;
+# with libgomp's default 300,000 rounds under load 5-13, 5-14x). docs/ENGINE.md, "Threads".
+# A caller who sets OMP_WAIT_POLICY or GOMP_SPINCOUNT keeps that policy, ungoverned; OMP_WAIT_POLICY=PASSIVE is
+# kvflow's earlier default (sleep at once). A child of a kvflow process inherits kvflow's count and the marker that
+# says it is kvflow's, so it is governed too; the vLLM peer gets neither (integrations/vllm_server.py).
+SPIN_COUNT = "3000"
+SPIN_MARKER = "KVFLOW_OMP_SPIN"          # = the GOMP_SPINCOUNT kvflow set, for children to recognise it
+OMP_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", SPIN_MARKER)
+WAIT_POLICY_OURS = not ({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)) or (
+    "OMP_WAIT_POLICY" not in os.environ and os.environ.get(SPIN_MARKER) is not None
+    and os.environ.get(SPIN_MARKER) == os.environ.get("GOMP_SPINCOUNT"))
+# Governed only where our count is the one libgomp reads: kvflow imported before torch (not inside vLLM's worker).
+SPIN_GOVERNED = WAIT_POLICY_OURS and "torch" not in sys.modules
 
 
-def passive_omp_wait() -> None:
-    """OMP_WAIT_POLICY=PASSIVE for this process and its children, unless the caller chose (see WAIT_POLICY)."""
+def our_omp_wait() -> None:
+    """GOMP_SPINCOUNT=SPIN_COUNT (and its marker) for this process and its children, unless the caller chose a
+    policy (see SPIN_COUNT); call before torch loads."""
     if WAIT_POLICY_OURS:
-        os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+        os.environ["GOMP_SPINCOUNT"] = os.environ[SPIN_MARKER] = SPIN_COUNT
 
 T = TypeVar("T")
 

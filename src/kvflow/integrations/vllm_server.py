@@ -170,9 +170,9 @@ def _own_env(venv: Path, base: dict, threads_bind: str, kv_space_gib: int) -> di
     """``base`` for a vLLM of its own venv (kvflow's venv and PYTHONPATH left out), offline, on ``threads_bind``."""
     from kvflow.model.host_memory import peer_env
 
-    from kvflow.threads import WAIT_POLICY_OURS
+    from kvflow.threads import OMP_POLICY_VARS, WAIT_POLICY_OURS
 
-    ours = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if WAIT_POLICY_OURS else ()
+    ours = OMP_POLICY_VARS if WAIT_POLICY_OURS else ()
     env = {k: v for k, v in base.items() if not (k.startswith("VIRTUAL_ENV") or k == "PYTHONPATH" or k in ours)}
     env.update(VLLM_CPU_OMP_THREADS_BIND=threads_bind, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),

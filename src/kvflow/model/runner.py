@@ -38,6 +38,7 @@ from kvflow.model.layer import fuse_layers
 from kvflow.model.linear import pack_linears
 from kvflow.model.presets import PRESETS, build_config, parse_name
 from kvflow.model.shape import ModelShape
+from kvflow.spin import govern
 from kvflow.threads import compute_threads, set_compute_threads, set_own_threads
 
 # Grouped-query attention with an explicit mask: let SDPA broadcast K/V heads (enable_gqa) instead of
@@ -331,6 +332,7 @@ def load_model(name_or_path: str, *, seed: int = 0, dtype: str | torch.dtype | N
     where = resolve_device(device)
     torch_dtype = parse_dtype(dtype) if dtype is not None else default_dtype(where)
     _resolve_threads()
+    govern(compute_threads())     # OpenMP workers spin only while the cores are free: kvflow/spin.py
     keep_freed_memory()           # host intermediates reused, not faulted in again every step: model/host_memory.py
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
