@@ -77,8 +77,10 @@ class SpinGovernor:
 
         from kvflow.threads import set_own_threads
 
+        before = torch.get_num_threads()     # torch's process-wide count, which later threads start from
         set_own_threads(self.threads)
         torch.ones(1 << 17).add_(1)          # over aten's grain (32,768): one parallel region, a team of `threads`
+        torch.set_num_threads(before)        # the team stays (its pool lives with this thread); the count goes back
         ready.set()
         release.wait()                       # the team lives until this thread ends
 
@@ -160,6 +162,11 @@ def govern(compute_threads: int) -> SpinGovernor | None:
                 cpus = os.cpu_count() or 1
             _governor = SpinGovernor(max(cpus, compute_threads) + 1).start()
         return _governor
+
+
+def current() -> SpinGovernor | None:
+    """This process's governor, if one runs."""
+    return _governor
 
 
 def _forget() -> None:

@@ -8,6 +8,8 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvflow import spin
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -54,6 +56,11 @@ class _EngineCollector:
         yield gauge("kvflow_inflight_requests", "requests the server holds a handle for (admitted, not finished)",
                     len(loop.handles) if loop is not None else 0)
         yield gauge("kvflow_process_threads", "threads of the server process", threading.active_count())
+        governor = spin.current()
+        if governor is not None:
+            yield gauge("kvflow_omp_spinning", "1 while OpenMP workers spin at barriers (the cores are free), 0 while "
+                        "throttled (kvflow/spin.py)", float(governor.spinning))
+            yield counter("kvflow_omp_spin_switches", "times the spin governor switched", governor.switches)
         yield gauge("kvflow_kv_blocks_total", "resident KV blocks", e.num_blocks)
         yield gauge("kvflow_kv_block_usage_ratio", "share of resident KV blocks held by sequences", e.blocks.usage)
         yield gauge("kvflow_kv_cached_blocks", "resident blocks holding a hashed prefix", len(e.blocks.cached))
