@@ -194,6 +194,7 @@ def check(cond: bool, message: str) -> None:
 ENV_VARS = ("KVFLOW_HOME", "KVFLOW_CONFIG", "KVFLOW_TORCH_THREADS", "KVFLOW_BENCH_DISK", "KVFLOW_API_KEY",
             "KVFLOW_VLLM_VENV", "KVFLOW_DEVICE", "KVFLOW_MALLOC", "KVFLOW_LINEAR",
             "KVFLOW_DECODE_ATTENTION", "KVFLOW_CHUNK_ATTENTION",
+            "KVFLOW_OMP_SPIN",         # set by kvflow for its children: the spin count is kvflow's (kvflow/threads.py)
             # read by the test suite (make test sets KVFLOW_TEST_VLLM=1), never by kvflow itself
             "KVFLOW_TEST_THREADS", "KVFLOW_TEST_VLLM", "KVFLOW_PEER_TESTS", "KVFLOW_BAD_INPUT_CASES")
 # Sections that take env overrides: name -> "module:Class" (imported only to list their fields).

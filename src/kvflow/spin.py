@@ -60,6 +60,8 @@ class SpinGovernor:
         self.threads, self.pressure, self.clock = threads, pressure, clock
         self.period_s, self.threshold, self.calm_s = period_s, threshold, calm_s
         self.switches = 0
+        self.seconds = {True: 0.0, False: 0.0}          # spinning / throttled, up to the last switch
+        self._mark: float | None = None
         self._release: threading.Event | None = None
         self._holder: threading.Thread | None = None
         self._stop = threading.Event()
@@ -70,6 +72,21 @@ class SpinGovernor:
     @property
     def spinning(self) -> bool:
         return self._holder is None
+
+    def _switched(self) -> None:
+        now = self.clock()
+        if self._mark is not None:
+            self.seconds[not self.spinning] += now - self._mark     # the state that just ended
+        self._mark = now
+        self.switches += 1
+
+    def stats(self) -> dict:
+        """Switches so far and the share of the governed time spent spinning."""
+        seconds = dict(self.seconds)
+        if self._mark is not None:
+            seconds[self.spinning] += self.clock() - self._mark
+        total = seconds[True] + seconds[False]
+        return {"switches": self.switches, "spinning_share": seconds[True] / total if total > 0 else 0.0}
 
     # ------------------------------------------------------------------------------------------- the held team
     def _hold(self, ready: threading.Event, release: threading.Event) -> None:
@@ -93,7 +110,7 @@ class SpinGovernor:
                                         daemon=True)
         self._holder.start()
         ready.wait()
-        self.switches += 1
+        self._switched()
 
     def release(self) -> None:
         """End the idle team (workers spin SPIN_COUNT rounds again); a no-op while not held."""
@@ -102,7 +119,7 @@ class SpinGovernor:
         self._release.set()
         self._holder.join()
         self._holder = self._release = None
-        self.switches += 1
+        self._switched()
 
     # ------------------------------------------------------------------------------------------- the decision
     def sample(self) -> None:

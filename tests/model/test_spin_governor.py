@@ -103,6 +103,8 @@ def test_the_governor_throttles_on_pressure_at_once_and_spins_again_only_after_a
         fake.advance(0.1, 0.0)
         g.sample()
     assert not g.spinning
+    stats = g.stats()
+    assert stats["switches"] == 3 and 0.0 < stats["spinning_share"] < 0.5
     g.close()
     assert g.spinning and _holders() == base - 1
 

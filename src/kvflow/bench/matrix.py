@@ -174,6 +174,7 @@ def diagnostics(kv: dict, vl: dict, split: dict | None, records: list | None = N
             "kvflow_itl_p50_ms": kv["itl_p50_s"] * 1e3, "vllm_itl_p50_ms": vl["itl_p50_s"] * 1e3,
             "itl_p50_ratio": _ratio(kv["itl_p50_s"], vl["itl_p50_s"]),
             "kvflow_errors": kv["errors"], "vllm_errors": vl["errors"],
+            "kvflow_spinning_share": (split.get("omp_spin") or {}).get("spinning_share"),
             "kvflow_slowest": None if slowest is None else _turns([slowest])[0]}
 
 

@@ -95,7 +95,10 @@ def kvflow_engine(runner, strategy: str | None, kv_budget: int, block_size: int,
 
 
 def hit_split(engine) -> dict:
-    """Share of prompt tokens that were resident hits, pool hits and misses, and the pool's counters."""
+    """Share of prompt tokens that were resident hits, pool hits and misses, the pool's counters and the spin
+    governor's (kvflow/spin.py) switches and spinning share."""
+    from kvflow import spin
+
     st = engine.stats
     total = st.resident_hit_tokens + st.pool_hit_tokens + st.miss_tokens
     return {"resident": st.resident_hit_tokens / total if total else 0.0,
@@ -103,7 +106,8 @@ def hit_split(engine) -> dict:
             "miss": st.miss_tokens / total if total else 0.0,
             "preemptions": st.preemptions, "swaps": st.swaps,
             "strategy_mix": dict(engine.pool.loaded_tokens) if engine.pool else {},
-            "pool_counters": dict(engine.pool.counters) if engine.pool else {}}
+            "pool_counters": dict(engine.pool.counters) if engine.pool else {},
+            "omp_spin": governor.stats() if (governor := spin.current()) is not None else None}
 
 
 def _child(build: Callable, model: str, port: int, conn) -> None:
