@@ -3,9 +3,9 @@
 libgomp decides at every barrier how long an idle worker spins before it sleeps on a futex: ``GOMP_SPINCOUNT``
 rounds, or at most 100 while the process holds more OpenMP threads than it may use CPUs (the throttle the libgomp
 manual documents under ``GOMP_SPINCOUNT``). The count is read once, when torch loads libgomp (kvflow/__init__.py sets
-:data:`SPIN_COUNT` before that, unless the caller chose a policy: kvflow/threads.py); the throttle is re-checked at
-every barrier. So spinning is switched off by holding a second, idle team — a thread that ran one parallel region
-with the computing thread's count and then waits — and on again by letting that thread end, which ends its team.
+``threads.SPIN_COUNT`` before that, unless the caller chose a policy: kvflow/threads.py); the throttle is re-checked
+at every barrier. So spinning is switched off by holding a second, idle team — a thread that ran one parallel region
+with more threads than CPUs and then waits — and on again by letting that thread end, which ends its team.
 
 Why switch at all (docs/ENGINE.md, "Threads"): on a VM whose idle vCPUs halt at once, every wake of a sleeping worker
 goes through the hypervisor, and a served step of smollm2-135m has hundreds of parallel regions: spinning 3,000

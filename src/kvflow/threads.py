@@ -2,8 +2,8 @@
 
 torch's CPU thread pool is libgomp's. A thread that runs a parallel region keeps its own team of worker threads
 until the thread exits. Once the process holds more OpenMP threads than it has CPUs, libgomp throttles: its
-workers stop spinning at barriers almost at once (about 100 spins instead of about 300 000) and sleep on a
-futex, so every parallel region pays a wake-up. Measured on the 2-vCPU box with torch 2.13: a small elementwise
+workers stop spinning at barriers almost at once (100 spins instead of GOMP_SPINCOUNT: kvflow's 3,000, libgomp's
+default 300,000) and sleep on a futex, so every parallel region pays a wake-up. Measured on the 2-vCPU box with torch 2.13: a small elementwise
 op went from 11 us to 104 us, and a served prefill step of the ``tiny`` preset took about twice its in-process
 time, when a second team existed beside the engine thread's, even while that team sat idle. A second team
 exists as soon as the main thread has loaded a model, or an I/O thread has copied a large tensor.
@@ -16,6 +16,9 @@ Hence three rules:
   loads) calls :func:`single_threaded` first, so its ops run in that thread and form no team;
 - set-up on a thread that is not the computing one (model load, profiling, engine build before serving) runs in
   :func:`in_fresh_thread`: its team ends with that thread.
+
+The one deliberate second team is kvflow/spin.py's: it uses this throttle to stop the workers spinning while other
+tasks wait for a CPU.
 """
 
 from __future__ import annotations
