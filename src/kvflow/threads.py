@@ -41,9 +41,8 @@ from typing import Callable, TypeVar
 SPIN_COUNT = "3000"
 SPIN_MARKER = "KVFLOW_OMP_SPIN"          # = the GOMP_SPINCOUNT kvflow set, for children to recognise it
 OMP_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", SPIN_MARKER)
-WAIT_POLICY_OURS = not ({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)) or (
-    "OMP_WAIT_POLICY" not in os.environ and os.environ.get(SPIN_MARKER) is not None
-    and os.environ.get(SPIN_MARKER) == os.environ.get("GOMP_SPINCOUNT"))
+WAIT_POLICY_OURS = "OMP_WAIT_POLICY" not in os.environ and \
+    os.environ.get("GOMP_SPINCOUNT") in (None, os.environ.get(SPIN_MARKER))     # unset, or set by kvflow
 # Governed only where our count is the one libgomp reads: kvflow imported before torch (not inside vLLM's worker).
 SPIN_GOVERNED = WAIT_POLICY_OURS and "torch" not in sys.modules
 
