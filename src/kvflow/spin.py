@@ -33,6 +33,7 @@ PERIOD_S = 0.1
 PRESSURE = 0.1             # share of wall time some task waited for a CPU, over one period
 CALM_S = 1.0
 PSI_CPU = "/proc/pressure/cpu"
+THROTTLE_THREAD = "kvflow-spin-throttle"     # the thread that holds the idle team while throttled
 
 
 def psi_some_seconds(path: str = PSI_CPU) -> float | None:
@@ -106,7 +107,7 @@ class SpinGovernor:
         if self._holder is not None:
             return
         ready, self._release = threading.Event(), threading.Event()
-        self._holder = threading.Thread(target=self._hold, args=(ready, self._release), name="kvflow-spin-throttle",
+        self._holder = threading.Thread(target=self._hold, args=(ready, self._release), name=THROTTLE_THREAD,
                                         daemon=True)
         self._holder.start()
         ready.wait()

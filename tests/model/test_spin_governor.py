@@ -75,7 +75,7 @@ class Fake:
 
 
 def _holders() -> int:
-    return sum(t.name == "kvflow-spin-throttle" and t.is_alive() for t in threading.enumerate())
+    return sum(t.name == spin.THROTTLE_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 def test_the_governor_throttles_on_pressure_at_once_and_spins_again_only_after_a_calm_spell():

@@ -55,7 +55,9 @@ class _EngineCollector:
                     loop.queue_length if loop is not None else 0)
         yield gauge("kvflow_inflight_requests", "requests the server holds a handle for (admitted, not finished)",
                     len(loop.handles) if loop is not None else 0)
-        yield gauge("kvflow_process_threads", "threads of the server process", threading.active_count())
+        yield gauge("kvflow_process_threads", "threads of the server process (the spin governor's throttle thread, which "
+                    "comes and goes, not counted)",
+                    sum(t.name != spin.THROTTLE_THREAD for t in threading.enumerate()))
         governor = spin.current()
         if governor is not None:
             yield gauge("kvflow_omp_spinning", "1 while OpenMP workers spin at barriers (the cores are free), 0 while "
