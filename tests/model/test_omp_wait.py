@@ -15,7 +15,7 @@ def _policy(env_extra: dict) -> list[str]:
     code = ("import kvflow, os; from kvflow import threads; "
             "print([os.environ.get(k) for k in %r] + [threads.SPIN_GOVERNED])" % (VARS,))
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip()
+                          check=True, timeout=300).stdout.strip()
 
 
 def test_importing_kvflow_sets_its_governed_spin_count_unless_the_caller_chose():

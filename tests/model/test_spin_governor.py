@@ -60,7 +60,8 @@ print(out["free"], out["held"], out["after"])
 def test_a_held_team_stops_the_workers_spinning_and_its_end_lets_them_spin_again():
     env = {k: v for k, v in os.environ.items() if k not in threads.OMP_POLICY_VARS} | {
         "GOMP_SPINCOUNT": "100000", "PYTHONPATH": SRC}       # the caller's count: no governor of its own
-    got = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
+    got = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True,
+                         timeout=300)
     free, held, after = map(float, got.stdout.split())
     assert held * 5 < free and held * 5 < after, (free, held, after)
 
