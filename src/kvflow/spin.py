@@ -8,65 +8,84 @@ at every barrier. So spinning is switched off by holding a second, idle team —
 with more threads than CPUs and then waits — and on again by letting that thread end, which ends its team.
 
 Why switch at all (docs/ENGINE.md, "Threads"): on a VM whose idle vCPUs halt at once, every wake of a sleeping worker
-goes through the hypervisor, and a served step of smollm2-135m has hundreds of parallel regions: spinning 3,000
-rounds made served decode 1.1-1.2x faster on the idle 2-vCPU box, and 1.25-1.45x slower beside one busy process,
-where a spinning worker holds a core that its partner (or anyone else) is waiting for.
+goes through the hypervisor, and a served step of smollm2-135m has hundreds of parallel regions: spinning made a
+served step 1.1-1.25x faster on the idle 2-vCPU box, and 1.25-1.45x slower beside one busy process, where a spinning
+worker holds a core that its partner (or anyone else) is waiting for.
 
-The signal is Linux's CPU pressure (PSI, ``/proc/pressure/cpu``, line ``some``): the share of wall time in which at
-least one runnable task waited for a CPU. Measured during served decode bursts (smollm2-135m, 2 vCPUs): 0.03 on the
-idle box with the client beside the server, whatever the policy; 0.25-0.38 beside one busy process; 0.75-0.87
-beside three. Sampled every :data:`PERIOD_S`; above :data:`PRESSURE` the governor throttles at once, and it lets
-spinning resume only after :data:`CALM_S` without pressure. It starts throttled. Where PSI cannot be read (an older
-kernel, ``psi=0``) it stays throttled: workers sleep after 100 rounds, close to ``OMP_WAIT_POLICY=PASSIVE``.
-One governor per process (:func:`govern`, started by ``load_model``); none where the caller chose a policy or torch
-was loaded before kvflow (``threads.SPIN_GOVERNED``).
+The signal is the CPU time the *other* processes use on the CPUs this process may run on (:func:`others_cpu_seconds`:
+``/proc/stat``'s per-CPU busy time less this process's own, ``/proc/self/stat``), in cores over the last
+:data:`WINDOW_S`. Above the governor's allowance — :data:`OTHERS_CORES`, plus the cores the computing team leaves free
+— it throttles; it lets spinning resume after :data:`CALM_S` at or below it. The allowance is what a client beside
+the server takes (the matrix's load generator: 0.03-0.09 of a core); one busy process takes 0.67 of a core or more
+beside a spinning team (the scheduler's fair share). Not the kernel's CPU pressure (PSI), which the first version
+used: PSI counts the server's own threads waiting behind its spinning workers (the event loop streaming tokens, the
+governor itself), so a governed server on an idle box read 0.3 during batch-8 decode bursts and throttled itself 30
+times in 20 s of requests. It starts throttled; where ``/proc/stat`` cannot be read it stays throttled (workers sleep
+after 100 rounds, close to ``OMP_WAIT_POLICY=PASSIVE``). One governor per process (:func:`govern`, started by
+``load_model``); none where the caller chose a policy or torch was loaded before kvflow (``threads.SPIN_GOVERNED``).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
-PERIOD_S = 0.1
-PRESSURE = 0.1             # share of wall time some task waited for a CPU, over one period
+PERIOD_S = 0.1             # one sample
+WINDOW_S = 0.5             # the others' CPU use is averaged over this long
+OTHERS_CORES = 0.25        # cores the other processes may use (beyond those the team leaves free) while workers spin
 CALM_S = 1.0
-PSI_CPU = "/proc/pressure/cpu"
 THROTTLE_THREAD = "kvflow-spin-throttle"     # the thread that holds the idle team while throttled
+_BUSY_FIELDS = (0, 1, 2, 5, 6)               # /proc/stat cpuN: user nice system [idle iowait] irq softirq (not steal)
 
 
-def psi_some_seconds(path: str = PSI_CPU) -> float | None:
-    """Total seconds some task waited for a CPU since boot (PSI ``some total``), or None where unreadable."""
+def others_cpu_seconds(cpus: Iterable[int], stat: str = "/proc/stat", own: str = "/proc/self/stat") -> float | None:
+    """CPU seconds the CPUs ``cpus`` have been busy since boot, less this process's own CPU time: what every other
+    process (and the kernel's interrupts) used there. None where either file cannot be read."""
+    wanted = {f"cpu{c}" for c in cpus}
     try:
-        with open(path) as f:
+        ticks = 0
+        with open(stat) as f:
             for line in f:
-                if line.startswith("some"):
-                    return int(line.rsplit("total=", 1)[1]) / 1e6
+                name, _, rest = line.partition(" ")
+                if name in wanted:
+                    fields = rest.split()
+                    ticks += sum(int(fields[i]) for i in _BUSY_FIELDS)
+        with open(own) as f:
+            mine = f.read().rsplit(")", 1)[1].split()          # after the command name, which may hold spaces
+        ticks -= int(mine[11]) + int(mine[12])                  # utime, stime: fields 14 and 15 of stat(5)
     except (OSError, ValueError, IndexError):
         return None
-    return None
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class SpinGovernor:
-    """One per process (:func:`govern`): a daemon thread samples the pressure and holds or releases the idle team.
+    """One per process (:func:`govern`): a daemon thread samples the others' CPU use and holds or releases the idle
+    team.
 
     ``threads`` is the size of the held team: more than libgomp's CPUs, so that the process holds more OpenMP threads
     than CPUs whatever the computing thread's team (:func:`govern`: the CPUs this process may use, plus one);
-    ``pressure`` reads PSI's cumulative seconds (injectable for tests); ``clock`` is monotonic seconds."""
+    ``others`` reads the other processes' cumulative CPU seconds (default: :func:`others_cpu_seconds` on the CPUs
+    this process may use; injectable for tests); ``allowance`` is the cores they may use while workers spin;
+    ``clock`` is monotonic seconds."""
 
-    def __init__(self, threads: int, pressure: Callable[[], float | None] = psi_some_seconds,
+    def __init__(self, threads: int, others: Callable[[], float | None] | None = None,
                  clock: Callable[[], float] = time.monotonic, period_s: float = PERIOD_S,
-                 threshold: float = PRESSURE, calm_s: float = CALM_S):
-        self.threads, self.pressure, self.clock = threads, pressure, clock
-        self.period_s, self.threshold, self.calm_s = period_s, threshold, calm_s
+                 allowance: float = OTHERS_CORES, window_s: float = WINDOW_S, calm_s: float = CALM_S):
+        if others is None:
+            cpus = frozenset(_affinity())
+            others = lambda: others_cpu_seconds(cpus)     # noqa: E731
+        self.threads, self.others, self.clock = threads, others, clock
+        self.period_s, self.allowance, self.window_s, self.calm_s = period_s, allowance, window_s, calm_s
         self.switches = 0
         self.seconds = {True: 0.0, False: 0.0}          # spinning / throttled, up to the last switch
         self._mark: float | None = None
         self._release: threading.Event | None = None
         self._holder: threading.Thread | None = None
         self._stop = threading.Event()
-        self._last: tuple[float, float] | None = None     # (clock, pressure seconds) at the last sample
+        self._samples: collections.deque = collections.deque()   # (clock, others' seconds) over the last window
         self._calm_since: float | None = None
         self._monitor: threading.Thread | None = None
 
@@ -124,17 +143,21 @@ class SpinGovernor:
 
     # ------------------------------------------------------------------------------------------- the decision
     def sample(self) -> None:
-        """One decision from the pressure since the last sample (called every period by the monitor)."""
-        now, total = self.clock(), self.pressure()
+        """One decision from the others' CPU use over the last window (called every period by the monitor)."""
+        now, total = self.clock(), self.others()
         if total is None:                    # no signal: sleep, as the safe policy does
-            self._last = None
+            self._samples.clear()
             self.throttle()
             return
-        last, self._last = self._last, (now, total)
-        if last is None or now <= last[0]:
+        samples = self._samples
+        samples.append((now, total))
+        while len(samples) > 2 and now - samples[1][0] >= self.window_s:
+            samples.popleft()                # keep one sample at or beyond the window's start
+        first = samples[0]
+        if now <= first[0]:
             return
-        share = (total - last[1]) / (now - last[0])
-        if share > self.threshold:
+        cores = (total - first[1]) / (now - first[0])
+        if cores > self.allowance:
             self._calm_since = None
             self.throttle()
         elif self._calm_since is None:
@@ -143,7 +166,8 @@ class SpinGovernor:
             self.release()
 
     def start(self) -> SpinGovernor:
-        """Throttled until the pressure has been low for ``calm_s``; then the monitor decides."""
+        """Throttled until the others' CPU use has been within the allowance for ``calm_s``; then the monitor
+        decides."""
         self.throttle()
         self._monitor = threading.Thread(target=self._run, name="kvflow-spin-governor", daemon=True)
         self._monitor.start()
@@ -164,9 +188,17 @@ _governor: SpinGovernor | None = None
 _lock = threading.Lock()
 
 
+def _affinity() -> set[int]:
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
 def govern(compute_threads: int) -> SpinGovernor | None:
     """This process's governor, started on the first call where kvflow's spin count is in effect and the computing
-    thread runs a team (``compute_threads`` >= 2); None otherwise."""
+    thread runs a team (``compute_threads`` >= 2); None otherwise. Others may use OTHERS_CORES plus the cores the
+    team leaves free (none where it takes every CPU this process may use)."""
     global _governor
     from kvflow.threads import SPIN_GOVERNED
 
@@ -174,11 +206,9 @@ def govern(compute_threads: int) -> SpinGovernor | None:
         return None
     with _lock:
         if _governor is None:
-            try:
-                cpus = len(os.sched_getaffinity(0))
-            except (AttributeError, OSError):
-                cpus = os.cpu_count() or 1
-            _governor = SpinGovernor(max(cpus, compute_threads) + 1).start()
+            cpus = len(_affinity())
+            _governor = SpinGovernor(max(cpus, compute_threads) + 1,
+                                     allowance=max(0, cpus - compute_threads) + OTHERS_CORES).start()
         return _governor
 
 

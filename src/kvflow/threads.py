@@ -2,7 +2,7 @@
 
 torch's CPU thread pool is libgomp's. A thread that runs a parallel region keeps its own team of worker threads
 until the thread exits. Once the process holds more OpenMP threads than it has CPUs, libgomp throttles: its
-workers stop spinning at barriers almost at once (100 spins instead of GOMP_SPINCOUNT: kvflow's 3,000, libgomp's
+workers stop spinning at barriers almost at once (100 spins instead of GOMP_SPINCOUNT: kvflow's 30,000, libgomp's
 default 300,000) and sleep on a futex, so every parallel region pays a wake-up. Measured on the 2-vCPU box with torch 2.13: a small elementwise
 op went from 11 us to 104 us, and a served prefill step of the ``tiny`` preset took about twice its in-process
 time, when a second team existed beside the engine thread's, even while that team sat idle. A second team
@@ -29,16 +29,18 @@ import threading
 from typing import Callable, TypeVar
 
 # libgomp's idle workers spin GOMP_SPINCOUNT rounds at a barrier before they sleep on a futex (read once, when torch
-# loads libgomp: kvflow/__init__.py sets it before that). kvflow's count is a short one — 3,000 rounds, ~0.1 ms of a
-# core on the Zen 4 box — and kvflow/spin.py's governor throttles it to libgomp's 100 whenever other tasks wait for
-# a CPU. Why: on a VM whose idle vCPUs halt at once, waking a sleeping worker goes through the hypervisor, and a
-# served step has hundreds of parallel regions (spinning: 1.1-1.25x faster steps on the idle 2-vCPU box); but a
-# spinning worker holds a core that its partner or anyone else needs (1.25-1.5x slower beside busy processes;
-# with libgomp's default 300,000 rounds under load 5-13, 5-14x). docs/ENGINE.md, "Threads".
+# loads libgomp: kvflow/__init__.py sets it before that). kvflow's count is 30,000 rounds, ~0.8 ms of a core on the
+# Zen 4 box — long enough to span the gaps between a step's parallel regions, a tenth of libgomp's default — and
+# kvflow/spin.py's governor throttles it to libgomp's 100 whenever other processes use the cores. Why: on a VM whose
+# idle vCPUs halt at once, waking a sleeping worker goes through the hypervisor, and a served step has hundreds of
+# parallel regions (a served 56-token step on a cached 512: 177 ms sleeping, 163 spinning 3,000 rounds, 136-144
+# spinning 30,000 or 300,000, on the idle 2-vCPU box); but a spinning worker holds a core that its partner or anyone
+# else needs (1.25-1.5x slower beside busy processes at 3,000 rounds; with libgomp's default 300,000 rounds under
+# load 5-13, 5-14x). docs/ENGINE.md, "Threads".
 # A caller who sets OMP_WAIT_POLICY or GOMP_SPINCOUNT keeps that policy, ungoverned; OMP_WAIT_POLICY=PASSIVE is
 # kvflow's earlier default (sleep at once). A child of a kvflow process inherits kvflow's count and the marker that
 # says it is kvflow's, so it is governed too; the vLLM peer gets neither (integrations/vllm_server.py).
-SPIN_COUNT = "3000"
+SPIN_COUNT = "30000"
 SPIN_MARKER = "KVFLOW_OMP_SPIN"          # = the GOMP_SPINCOUNT kvflow set, for children to recognise it
 OMP_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", SPIN_MARKER)
 WAIT_POLICY_OURS = "OMP_WAIT_POLICY" not in os.environ and \

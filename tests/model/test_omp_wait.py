@@ -19,14 +19,16 @@ def _policy(env_extra: dict) -> list[str]:
 
 
 def test_importing_kvflow_sets_its_governed_spin_count_unless_the_caller_chose():
-    assert _policy({}) == "[None, '3000', '3000', True]"
+    from kvflow.threads import SPIN_COUNT
+    assert _policy({}) == f"[None, '{SPIN_COUNT}', '{SPIN_COUNT}', True]"
     assert _policy({"OMP_WAIT_POLICY": "PASSIVE"}) == "['PASSIVE', None, None, False]"
     assert _policy({"GOMP_SPINCOUNT": "10000"}) == "[None, '10000', None, False]"
 
 
 def test_a_child_of_a_kvflow_process_is_governed_too():
-    inherited = {"GOMP_SPINCOUNT": "3000", "KVFLOW_OMP_SPIN": "3000"}
-    assert _policy(inherited) == "[None, '3000', '3000', True]"
+    from kvflow.threads import SPIN_COUNT
+    inherited = {"GOMP_SPINCOUNT": "3000", "KVFLOW_OMP_SPIN": "3000"}       # an older kvflow's count: ours now
+    assert _policy(inherited) == f"[None, '{SPIN_COUNT}', '{SPIN_COUNT}', True]"
     assert _policy(inherited | {"GOMP_SPINCOUNT": "50"}) == "[None, '50', '3000', False]"   # the caller's count
 
 

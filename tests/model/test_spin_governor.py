@@ -1,6 +1,7 @@
 """kvflow/spin.py: holding an idle OpenMP team stops libgomp's workers spinning and ending it lets them spin again
-(the mechanism, by the workers' CPU time); the governor throttles on CPU pressure at once, lets spinning resume only
-after a calm spell, and stays throttled without a signal (the decisions, on a fake clock and pressure)."""
+(the mechanism, by the workers' CPU time); the governor throttles when other processes use the cores (over a
+window: a client's burst does not), lets spinning resume only after a calm spell, and stays throttled without a
+signal (the decisions, on a fake clock and CPU time); the others' CPU time is read from /proc."""
 
 import os
 import subprocess
@@ -79,54 +80,63 @@ def _holders() -> int:
     return sum(t.name == spin.THROTTLE_THREAD and t.is_alive() for t in threading.enumerate())
 
 
-def test_the_governor_throttles_on_pressure_at_once_and_spins_again_only_after_a_calm_spell():
+def _step(g, fake, cores: float, periods: int = 1) -> None:
+    for _ in range(periods):
+        fake.advance(0.1, cores)
+        g.sample()
+
+
+def test_the_governor_throttles_when_others_use_the_cores_and_spins_again_only_after_a_calm_spell():
     fake = Fake()
-    g = spin.SpinGovernor(3, pressure=lambda: fake.total, clock=lambda: fake.now, threshold=0.1, calm_s=1.0)
+    g = spin.SpinGovernor(3, others=lambda: fake.total, clock=lambda: fake.now, allowance=0.25, window_s=0.5,
+                          calm_s=1.0)
     g.throttle()                                   # as start() begins
     base = _holders()
     g.sample()
-    for _ in range(9):                             # 0.9 s calm: not yet
-        fake.advance(0.1, 0.02)
-        g.sample()
-        assert not g.spinning
-    for _ in range(3):                             # 1.0-1.2 s calm (the clock's float sums)
-        fake.advance(0.1, 0.02)
-        g.sample()
-    assert g.spinning and _holders() == base - 1   # the held team's thread has ended
-    fake.advance(0.1, 0.3)                         # someone waits for a CPU: throttled at the next sample
-    g.sample()
-    assert not g.spinning and _holders() == base
-    fake.advance(0.1, 0.0)
-    g.sample()
-    fake.advance(0.1, 0.5)                         # pressure inside the calm spell starts it again
-    g.sample()
-    for _ in range(5):
-        fake.advance(0.1, 0.0)
-        g.sample()
+    _step(g, fake, 0.05, 9)                        # a client's 0.05 of a core for 0.9 s: not yet
     assert not g.spinning
+    _step(g, fake, 0.05, 3)                        # 1.0-1.2 s within the allowance (the clock's float sums)
+    assert g.spinning and _holders() == base - 1   # the held team's thread has ended
+    _step(g, fake, 1.0)                            # a 0.1 s burst: 0.24 of a core over the window, still spinning
+    _step(g, fake, 0.05, 5)
+    assert g.spinning
+    _step(g, fake, 1.0, 2)                         # a busy neighbour: throttled within two samples
+    assert not g.spinning and _holders() == base
+    _step(g, fake, 0.7, 20)                        # its fair share beside the spinning team is still too much
+    assert not g.spinning
+    _step(g, fake, 0.0, 12)                        # gone: the window empties, then the calm spell
+    assert not g.spinning
+    _step(g, fake, 0.0, 3)
+    assert g.spinning
     stats = g.stats()
-    assert stats["switches"] == 3 and 0.0 < stats["spinning_share"] < 0.5
+    assert stats["switches"] == 4 and 0.1 < stats["spinning_share"] < 0.2      # ~0.8 of ~5.5 s
     g.close()
     assert g.spinning and _holders() == base - 1
 
 
-def test_without_a_pressure_signal_the_governor_stays_throttled():
+def test_without_a_signal_the_governor_stays_throttled():
     clock = iter(range(100))
-    g = spin.SpinGovernor(3, pressure=lambda: None, clock=lambda: float(next(clock)), calm_s=0.5)
+    g = spin.SpinGovernor(3, others=lambda: None, clock=lambda: float(next(clock)), calm_s=0.5)
     for _ in range(10):
         g.sample()
     assert not g.spinning
     g.close()
 
 
-def test_a_psi_line_is_read_in_seconds_and_an_unreadable_one_is_none(tmp_path):
-    path = tmp_path / "cpu"
-    path.write_text("some avg10=1.00 avg60=0.50 avg300=0.10 total=2500000\nfull avg10=0.00 avg60=0.00 avg300=0.00 "
-                    "total=0\n")
-    assert spin.psi_some_seconds(str(path)) == 2.5
-    path.write_text("garbage\n")
-    assert spin.psi_some_seconds(str(path)) is None
-    assert spin.psi_some_seconds(str(tmp_path / "missing")) is None
+def test_the_others_cpu_time_is_the_busy_time_of_the_given_cpus_less_this_process(tmp_path):
+    tck = os.sysconf("SC_CLK_TCK")
+    stat, own = tmp_path / "stat", tmp_path / "own"
+    stat.write_text(f"cpu  {9 * tck} 0 0 0 0 0 0 0 0 0\n"
+                    f"cpu0 {2 * tck} {tck} {tck} {50 * tck} {7 * tck} 0 0 {3 * tck} 0 0\n"    # idle, iowait, steal: no
+                    f"cpu1 {tck} 0 0 {50 * tck} 0 {tck} {tck} 0 0 0\n"
+                    f"cpu2 {40 * tck} 0 0 0 0 0 0 0 0 0\n"                                     # not ours
+                    "intr 12345\n")
+    fields = ["S"] + ["0"] * 10 + [str(2 * tck), str(tck)] + ["0"] * 30            # utime 2 s, stime 1 s
+    own.write_text(f"42 (python3 serve x) {' '.join(fields)}\n")
+    assert spin.others_cpu_seconds({0, 1}, str(stat), str(own)) == (4 + 3) - 3
+    assert spin.others_cpu_seconds({0, 1}, str(tmp_path / "missing"), str(own)) is None
+    own.write_text("garbage")
+    assert spin.others_cpu_seconds({0, 1}, str(stat), str(own)) is None
 
 
 def test_no_governor_where_the_caller_chose_the_policy_or_one_thread_computes(monkeypatch):
