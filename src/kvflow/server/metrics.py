@@ -60,8 +60,8 @@ class _EngineCollector:
                     sum(t.name != spin.THROTTLE_THREAD for t in threading.enumerate()))
         governor = spin.current()
         if governor is not None:
-            yield gauge("kvflow_omp_spinning", "1 while OpenMP workers spin at barriers (other processes leave the cores free), 0 while "
-                        "throttled (kvflow/spin.py)", float(governor.spinning))
+            yield gauge("kvflow_omp_spinning", "1 while OpenMP workers spin at barriers (other processes leave the "
+                        "cores free), 0 while throttled (kvflow/spin.py)", float(governor.spinning))
             yield counter("kvflow_omp_spin_switches", "times the spin governor switched", governor.switches)
         yield gauge("kvflow_kv_blocks_total", "resident KV blocks", e.num_blocks)
         yield gauge("kvflow_kv_block_usage_ratio", "share of resident KV blocks held by sequences", e.blocks.usage)
