@@ -3,10 +3,11 @@
 torch's CPU thread pool is libgomp's. A thread that runs a parallel region keeps its own team of worker threads
 until the thread exits. Once the process holds more OpenMP threads than it has CPUs, libgomp throttles: its
 workers stop spinning at barriers almost at once (100 spins instead of GOMP_SPINCOUNT: kvflow's 30,000, libgomp's
-default 300,000) and sleep on a futex, so every parallel region pays a wake-up. Measured on the 2-vCPU box with torch 2.13: a small elementwise
-op went from 11 us to 104 us, and a served prefill step of the ``tiny`` preset took about twice its in-process
-time, when a second team existed beside the engine thread's, even while that team sat idle. A second team
-exists as soon as the main thread has loaded a model, or an I/O thread has copied a large tensor.
+default 300,000) and sleep on a futex, so every parallel region pays a wake-up. Measured on the 2-vCPU box with
+torch 2.13: a small elementwise op went from 11 us to 104 us, and a served prefill step of the ``tiny`` preset
+took about twice its in-process time, when a second team existed beside the engine thread's, even while that team
+sat idle. A second team exists as soon as the main thread has loaded a model, or an I/O thread has copied a large
+tensor.
 
 Hence three rules:
 
