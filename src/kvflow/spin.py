@@ -34,9 +34,9 @@ import time
 from typing import Callable, Iterable
 
 PERIOD_S = 0.1             # one sample
-WINDOW_S = 0.5             # the others' CPU use is averaged over this long
+WINDOW_S = 0.2             # the others' CPU use is averaged over this long
 OTHERS_CORES = 0.25        # cores the other processes may use (beyond those the team leaves free) while workers spin
-CALM_S = 1.0
+CALM_S = 0.2               # ... and within that for this long before workers spin again
 THROTTLE_THREAD = "kvflow-spin-throttle"     # the thread that holds the idle team while throttled
 _BUSY_FIELDS = (0, 1, 2, 5, 6)               # /proc/stat cpuN: user nice system [idle iowait] irq softirq (not steal)
 
