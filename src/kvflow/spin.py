@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Callable, Iterable
 
+from kvflow.threads import allowed_cpus
+
 PERIOD_S = 0.1             # one sample
 WINDOW_S = 0.2             # the others' CPU use is averaged over this long
 OTHERS_CORES = 0.25        # cores the other processes may use (beyond those the team leaves free) while workers spin
@@ -75,7 +77,7 @@ class SpinGovernor:
                  clock: Callable[[], float] = time.monotonic, period_s: float = PERIOD_S,
                  allowance: float = OTHERS_CORES, window_s: float = WINDOW_S, calm_s: float = CALM_S):
         if others is None:
-            cpus = frozenset(_affinity())
+            cpus = frozenset(allowed_cpus())
             others = lambda: others_cpu_seconds(cpus)     # noqa: E731
         self.threads, self.others, self.clock = threads, others, clock
         self.period_s, self.allowance, self.window_s, self.calm_s = period_s, allowance, window_s, calm_s
@@ -188,13 +190,6 @@ _governor: SpinGovernor | None = None
 _lock = threading.Lock()
 
 
-def _affinity() -> set[int]:
-    try:
-        return os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        return set(range(os.cpu_count() or 1))
-
-
 def govern(compute_threads: int) -> SpinGovernor | None:
     """This process's governor, started on the first call where kvflow's spin count is in effect and the computing
     thread runs a team (``compute_threads`` >= 2); None otherwise. Others may use OTHERS_CORES plus the cores the
@@ -206,7 +201,7 @@ def govern(compute_threads: int) -> SpinGovernor | None:
         return None
     with _lock:
         if _governor is None:
-            cpus = len(_affinity())
+            cpus = len(allowed_cpus())
             _governor = SpinGovernor(max(cpus, compute_threads) + 1,
                                      allowance=max(0, cpus - compute_threads) + OTHERS_CORES).start()
         return _governor

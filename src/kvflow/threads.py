@@ -19,7 +19,7 @@ Hence three rules:
   :func:`in_fresh_thread`: its team ends with that thread.
 
 The one deliberate second team is kvflow/spin.py's: it uses this throttle to stop the workers spinning while other
-tasks wait for a CPU.
+processes use the cores.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Callable, TypeVar
 # Zen 4 box — long enough to span the gaps between a step's parallel regions, a tenth of libgomp's default — and
 # kvflow/spin.py's governor throttles it to libgomp's 100 whenever other processes use the cores. Why: on a VM whose
 # idle vCPUs halt at once, waking a sleeping worker goes through the hypervisor, and a served step has hundreds of
-# parallel regions (a served 56-token step on a cached 512: 177 ms sleeping, 163 spinning 3,000 rounds, 136-144
-# spinning 30,000 or 300,000, on the idle 2-vCPU box); but a spinning worker holds a core that its partner or anyone
+# parallel regions (a served 56-token step on a cached 512, in one run: 177 ms sleeping, 163 spinning 3,000 rounds,
+# 144 spinning 30,000 or 300,000, on the idle 2-vCPU box); but a spinning worker holds a core that its partner or anyone
 # else needs (1.25-1.5x slower beside busy processes at 3,000 rounds; with libgomp's default 300,000 rounds under
 # load 5-13, 5-14x). docs/ENGINE.md, "Threads".
 # A caller who sets OMP_WAIT_POLICY or GOMP_SPINCOUNT keeps that policy, ungoverned; OMP_WAIT_POLICY=PASSIVE is
@@ -67,15 +67,20 @@ def set_compute_threads(n: int) -> None:
     _compute = max(1, int(n))
 
 
+def allowed_cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity; every CPU where the platform cannot say)."""
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
 def compute_threads() -> int:
     """Threads for the computing thread: what load_model resolved (torch's default from the import of
     kvflow.model.runner on), else the CPUs this process may run on."""
     if _compute is not None:
         return _compute
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return len(allowed_cpus())
 
 
 def set_own_threads(n: int) -> None:
