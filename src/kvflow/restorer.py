@@ -89,6 +89,9 @@ class Restorer:
                  planner: PlannerConfig | None = None, storage_dtype: torch.dtype | str | None = None,
                  calibrate: bool = True):
         self.runner, self.pool = runner, pool
+        # every record's key names the model by its fingerprint, a hash of all its weights (~30 ms of CPU on
+        # smollm2-135m): taken here, with the engine's build, not by the first request that looks the pool up
+        self.model_id = runner.fingerprint
         self.cost = cost or cost_profile(runner)          # the saved profile, or one measured now (cost/saved.py)
         # measured / predicted speed, folded in after every restoration (cost/calibration.py); None: plan on the
         # profiled model as it is
@@ -102,15 +105,15 @@ class Restorer:
     # ------------------------------------------------------------------------------------- storing
     def keys(self, token_ids: torch.Tensor, tail: bool = False) -> list[list[ChunkKey]]:
         """Record keys per full chunk (a row per chunk); ``tail``: and the partial chunk after them (chunks/keys.py)."""
-        return chunk_keys(token_ids, self.runner.fingerprint, self.chunk_tokens, self.groups, tail=tail)
+        return chunk_keys(token_ids, self.model_id, self.chunk_tokens, self.groups, tail=tail)
 
     def tail_keys(self, token_ids: torch.Tensor) -> list[ChunkKey]:
         """Keys of the partial chunk at the end of ``token_ids`` ([] on a chunk boundary): chunks/keys.py."""
-        return tail_keys(token_ids, self.runner.fingerprint, self.chunk_tokens, self.groups)
+        return tail_keys(token_ids, self.model_id, self.chunk_tokens, self.groups)
 
     def act_keys(self, token_ids: torch.Tensor, boundary: int) -> list[ChunkKey]:
         """Keys of the boundary activation records (hidden states entering layer ``boundary``), one per full chunk."""
-        return [row[0] for row in chunk_keys(token_ids, self.runner.fingerprint, self.chunk_tokens,
+        return [row[0] for row in chunk_keys(token_ids, self.model_id, self.chunk_tokens,
                                              [(boundary, boundary)], kind="act")]
 
     def store(self, context_ids, boundaries=(), kv=None) -> StoreResult:
@@ -217,7 +220,7 @@ class Restorer:
     def stored_tokens(self, context_ids: torch.Tensor) -> int:
         """Tokens of the context's longest prefix of whole chunks whose records the pool holds for every layer
         group (one hash pass; no record keys built)."""
-        return self.pool.longest_prefix(context_ids, self.runner.fingerprint, self.groups)
+        return self.pool.longest_prefix(context_ids, self.model_id, self.groups)
 
     def plan(self, context_ids, query_len: int, strategy: str = "cacheflow") -> tuple[Plan, list[list[ChunkKey]], float]:
         ids = as_ids(context_ids)

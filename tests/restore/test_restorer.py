@@ -47,3 +47,14 @@ def test_the_io_model_prices_the_pools_per_read_latency(tiny):
     context, query = ids(100, 3), ids(4, 4)
     restorer.store(context)
     assert_exact(tiny, restorer.restore(context, query, "cacheflow"), context, query)
+
+
+def test_the_models_fingerprint_is_taken_when_the_restorer_is_built_not_by_the_first_lookup():
+    """The fingerprint hashes every weight (~30 ms on smollm2-135m, paid by a served engine's first request when it
+    was taken lazily); a restorer takes it once, at build, and keys records with it."""
+    from kvflow.model import load_model
+    runner = load_model("tiny@layers=2")
+    assert "fingerprint" not in vars(runner)                 # a cached_property: not computed by loading
+    restorer = Restorer(runner, KVPool.memory("16M", chunk_tokens=32), cost=synthetic_cost(runner))
+    assert "fingerprint" in vars(runner) and restorer.model_id == runner.fingerprint
+    assert restorer.stored_tokens(ids(64, 1)) == 0
