@@ -33,8 +33,8 @@ prompts still prefilling and waiting requests — are served in rank order, each
 and its blocks fit, and nobody is admitted past one that does not fit unless it is done before that one's blocks
 are free: backfilling, below)::
 
-    rank   due (passed over too long), by arrival  <  work to first token, aged, by its power of two, smallest
-           first, then by arrival  <  has a token, by arrival
+    rank   due (passed over too long), by arrival  <  work to first token, aged, smallest first, but a later
+           arrival passes only work over twice its own  <  has a token, by arrival
     work   waiting:  the soonest of three predicted ways from resident r and pool hit s (PoolTier.choose):
                      prefill of [r, n) | load of [r, s) + prefill of [s, n) | the strategy's restore of [0, s) with
                      [s, n) as its query; admitted, it goes that way          (no pool, no cost model: tokens left)
@@ -56,11 +56,13 @@ that prefill runs: it would compute the same KV a second time, and once the pref
 finds them resident (or in the pool). It is skipped, not a barrier: requests ranked after it are still admitted.
 The prefill it waits on ranks by its work ÷ (1 + the requests waiting on it): each of their first tokens needs it.
 
-Work is compared in powers of two: prompts within about a factor of two of each other keep their arrival order
-(shortest-first on exact figures hands every step to the newest prompt a few tokens shorter than those waiting,
-and a waiting one is passed over until it is due). Aged: a request's work counts as w x (1 - p / A), where p is
-what later arrivals have been given before it and A = (F - 1) x its uncached tokens, its allowance below; so it
-moves up a power of two as the allowance is used, and reaches the front, due, when it is spent.
+Within a factor of two, arrival order: a later request passes an earlier one only when its work is under half of
+that one's (``in_rank_order``). Shortest-first on exact figures hands every step to the newest prompt a few tokens
+shorter than those waiting, and a waiting one is passed over until it is due; bucketing work by its power of two
+stops that, but splits two prompts of one size that straddle a boundary (431 and 434 tokens at 0.5 s of predicted
+work), so the later one went first. Aged: a request's work counts as w x (1 - p / A), where p is what later
+arrivals have been given before it and A = (F - 1) x its uncached tokens, its allowance below; so fewer requests
+are short enough to pass it as the allowance is used, and it reaches the front, due, when it is spent.
 
 Starvation is bounded by ``starvation_factor`` F: a request is *due* once the prefill tokens given to requests that
 arrived after it (while it had no token) reach (F - 1) x its uncached tokens; due requests go first, oldest first.
@@ -77,7 +79,6 @@ after it; the head gets its blocks when it would have without them.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -106,10 +107,22 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled)
 
 
-def magnitude(work: float) -> int:
-    """The power of two ``work`` is in: requests within about a factor of two of each other rank as equals (then by
-    arrival), so a later prompt a few tokens shorter does not pass a waiting one."""
-    return math.frexp(work)[1] if work > 0 else -1_000_000
+def in_rank_order(seqs: list[Sequence], ranks: dict[int, tuple]) -> list[Sequence]:
+    """``seqs`` in the order a step serves them, from each one's ``Scheduler._rank`` (class, aged work, arrival):
+    due ones by arrival, then those ranked by work, then those that have a token by arrival. Among the ranked ones a
+    request passes an earlier arrival only when its work is under half of that one's: taken in arrival order, each
+    moves ahead past the requests at the end of the order so far while they are more than twice its work, and stops
+    at the first that is not. So two prompts of about one size keep their arrival order wherever their sizes fall
+    (a fixed power-of-two bucket split 431 from 434 tokens at 0.5 s of predicted work), and a short follow-up still
+    passes long prefills. Cost: one comparison per request plus one per request passed."""
+    order: list[Sequence] = []
+    for seq in sorted(seqs, key=lambda s: (ranks[s.seq_id][0], s.seq_id)):
+        cls, work, _ = ranks[seq.seq_id]
+        i = len(order)
+        while i > 0 and cls == 1 and ranks[order[i - 1].seq_id][0] == 1 and 2 * work < ranks[order[i - 1].seq_id][1]:
+            i -= 1
+        order.insert(i, seq)
+    return order
 
 
 def _tokens_left(num_tokens: int, resident: int, stored: int) -> tuple[str, float]:
@@ -250,7 +263,7 @@ class Scheduler:
                 blocked.add(seq.seq_id)
                 waiters[other.seq_id] = waiters.get(other.seq_id, 0) + 1
         ranks = {s.seq_id: self._rank(s, waiters.get(s.seq_id, 0)) for s in (*prefilling, *self.waiting)}
-        ranked = sorted([*prefilling, *self.waiting], key=lambda s: ranks[s.seq_id])
+        ranked = in_rank_order([*prefilling, *self.waiting], ranks)
         for seq in self._older_first_at_the_cut(ranked, ranks, budget, blocked):
             if budget <= 0:
                 break
@@ -377,7 +390,11 @@ class Scheduler:
             return (0, 0.0, seq.seq_id)
         work = (self.work(seq.num_tokens, seq.num_computed, 0) / (1 + waiters) if seq.status is Status.RUNNING
                 else seq.work)
-        return (1, magnitude(work * (1 - seq.passed_over / allowance)), seq.seq_id)
+        return (1, work * (1 - seq.passed_over / allowance), seq.seq_id)
+
+    def _ordered(self, seqs: list[Sequence]) -> list[Sequence]:
+        """``seqs`` in rank order (``in_rank_order``), each ranked on its own (no waiters counted)."""
+        return in_rank_order(seqs, {s.seq_id: self._rank(s) for s in seqs})
 
     def _refresh(self, seq: Sequence) -> None:
         """A waiting request's prediction, made again when the cached blocks changed since (``_estimate``)."""
@@ -423,8 +440,8 @@ class Scheduler:
     def _first_without_token(self) -> Sequence | None:
         """The waiting request a swap makes room for: the first without a token (remaining-work: the best-ranked)."""
         if self.config.scheduling_policy == "remaining-work":       # (not one that waits for a running prefill)
-            return min((s for s in self.waiting if s.first_token_s is None and self._prefill_computing(s) is None),
-                       key=self._rank, default=None)
+            waiting = [s for s in self.waiting if s.first_token_s is None and self._prefill_computing(s) is None]
+            return self._ordered(waiting)[0] if waiting else None
         return next((s for s in self.waiting if s.first_token_s is None), None)
 
     def _make_room(self, out: SchedulerOutput) -> None:
@@ -447,11 +464,10 @@ class Scheduler:
             uncached = head.num_tokens - max(len(hits) * bm.block_size, head.hit_tokens)
             steps = -(-max(uncached, 1) // self.config.max_num_batched_tokens)
             victims = [s for s in victims if s.params.max_tokens - s.num_output > steps]
-            # then prompts still prefilling that rank below it
-            rank = self._rank(head)
-            victims += sorted((s for s in self.running if s.first_token_s is None and not s.restoring
-                               and s.num_swaps < self.config.max_swaps and self._rank(s) > rank),
-                              key=self._rank, reverse=True)
+            # then prompts still prefilling that rank below it, the last-ranked first
+            order = self._ordered([head, *(s for s in self.running if s.first_token_s is None and not s.restoring
+                                           and s.num_swaps < self.config.max_swaps)])
+            victims += reversed(order[order.index(head) + 1:])
         growing = sum(1 for s in self.running if bm.blocks_for(s.num_tokens) > len(s.block_table))
         free = bm.num_free - growing
         if free >= needed:
