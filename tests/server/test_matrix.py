@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from kvflow.bench.matrix import (QUICK, RATIO_KEYS, SHAPES, CellPlan, MatrixOptions, cell_of, diagnostics, estimate_s,
-                                 plan, reason, verdict)
+from kvflow.bench.matrix import (QUICK, RATIO_KEYS, SHAPES, CellPlan, MatrixOptions, cell_of, cold_floor, diagnostics,
+                                 estimate_s, plan, reason, verdict)
 from kvflow.cli.main import main
 from kvflow.demo.chat import ChatWorkload, longest_history_tokens, sessions, working_set_tokens
 
@@ -122,6 +122,25 @@ def test_the_slowest_request_is_taken_from_the_records_that_succeeded():
                TurnRecord(1, 1, 120, 96, 4, 2.5)]
     diag = diagnostics(side, side, {}, records)
     assert diag["kvflow_slowest"]["user"] == 1 and diag["kvflow_slowest"]["ttft_s"] == 2.5
+
+
+def test_the_cold_floor_is_the_slowest_prompt_neither_server_had_cached_at_the_faster_servers_time():
+    """kvflow's P99 cannot go much below a prompt both servers compute from scratch: the floor is the slowest such
+    prompt at the TTFT of whichever server was faster for it, over the peer's P99; a prompt either had cached (a
+    tenth of it or more) or that failed on either does not count."""
+    from kvflow.demo.chat import TurnRecord
+    mine = [TurnRecord(0, 0, 500, 16, 4, 0.9), TurnRecord(1, 0, 400, 0, 4, 0.5), TurnRecord(0, 1, 560, 500, 4, 3.0),
+            TurnRecord(2, 0, 450, 0, 4, 9.0, error="500")]
+    peer = [TurnRecord(0, 0, 500, 0, 4, 0.7), TurnRecord(1, 0, 400, 0, 4, 0.6), TurnRecord(0, 1, 560, 0, 4, 2.8),
+            TurnRecord(2, 0, 450, 0, 4, 5.0)]
+    floor = cold_floor(mine, peer, 2.8)
+    assert (floor["user"], floor["round"]) == (0, 0) and floor["ttft_s"] == 0.7
+    assert floor["ratio"] == 0.7 / 2.8
+    assert "cold floor 0.25x vLLM's P99 (user 0 turn 0" in reason({
+        "kvflow_cached": 0.6, "vllm_cached": 0.6, "itl_p50_ratio": 1.0, "kvflow_itl_p50_ms": 60.0,
+        "vllm_itl_p50_ms": 60.0, "restores": 0, "swaps": 0, "preemptions": 0, "kvflow_errors": 0,
+        "vllm_errors": 0, "cold_floor": floor})
+    assert cold_floor(mine[2:3], peer[2:3], 2.8) is None and cold_floor(mine, peer, float("nan")) is None
 
 
 def test_the_plan_groups_cells_by_workload_and_budget_and_quick_is_small():

@@ -152,6 +152,10 @@ def reason(diag: dict) -> str:
         cold = "a cold prompt" if slow["cached_tokens"] < slow["prompt_tokens"] / 10 else "a reused prompt"
         out.append(f"kvflow's slowest: {cold} (user {slow['user']} turn {slow['round']}, {slow['cached_tokens']} "
                    f"of {slow['prompt_tokens']} tokens cached) at {slow['ttft_s']:.2f} s")
+    floor = diag.get("cold_floor")
+    if floor:
+        out.append(f"cold floor {floor['ratio']:.2f}x vLLM's P99 (user {floor['user']} turn {floor['round']}, cached "
+                   f"on neither server: {floor['ttft_s']:.2f} s on the faster)")
     if diag["kvflow_errors"] or diag["vllm_errors"]:
         out.insert(0, f"errors {diag['kvflow_errors']} vs {diag['vllm_errors']}")
     if not (less_reuse or slower or diag["kvflow_errors"]):
@@ -159,9 +163,27 @@ def reason(diag: dict) -> str:
     return "; ".join(out)
 
 
-def diagnostics(kv: dict, vl: dict, split: dict | None, records: list | None = None) -> dict:
-    """The measured why of a cell: cached prompt shares, kvflow's engine counters, ITL P50s, errors, and kvflow's
-    slowest request (``records``: its TurnRecords)."""
+def cold_floor(records: list, peer_records: list, peer_p99_s: float) -> dict | None:
+    """The slowest prompt that neither server found cached (under a tenth of it on both), at its TTFT on the server
+    that was faster for it, and that over the peer's P99 (``ratio``). Reuse cannot take kvflow's P99 much below it:
+    a P99 of 18-32 requests is their slowest one or two, and this prompt is computed from scratch on both, so where
+    the ratio is over the cell's P99 goal (0.3x where histories are reused on a quarter budget) the goal asks for a
+    faster prefill than either server ran, not for more reuse. None when there is no such prompt."""
+    peer = {(r.user, r.round): r for r in peer_records}
+    cold = [(min(r.ttft_s, q.ttft_s), r) for r in records if (q := peer.get((r.user, r.round))) is not None
+            and r.error is None and q.error is None and math.isfinite(r.ttft_s) and math.isfinite(q.ttft_s)
+            and r.cached_tokens < r.prompt_tokens / 10 and q.cached_tokens < q.prompt_tokens / 10]
+    if not cold or not (peer_p99_s > 0 and math.isfinite(peer_p99_s)):
+        return None
+    ttft, r = max(cold, key=lambda c: c[0])
+    return {"user": r.user, "round": r.round, "prompt_tokens": r.prompt_tokens, "ttft_s": ttft,
+            "ratio": ttft / peer_p99_s}
+
+
+def diagnostics(kv: dict, vl: dict, split: dict | None, records: list | None = None,
+                peer_records: list | None = None) -> dict:
+    """The measured why of a cell: cached prompt shares, kvflow's engine counters, ITL P50s, errors, kvflow's
+    slowest request (``records``: its TurnRecords) and the cold floor (``cold_floor``, with the peer's records)."""
     split = split or {}
     done = [r for r in records or () if r.error is None and math.isfinite(r.ttft_s)]
     slowest = max(done, key=lambda r: r.ttft_s, default=None)
@@ -175,7 +197,8 @@ def diagnostics(kv: dict, vl: dict, split: dict | None, records: list | None = N
             "itl_p50_ratio": _ratio(kv["itl_p50_s"], vl["itl_p50_s"]),
             "kvflow_errors": kv["errors"], "vllm_errors": vl["errors"],
             "kvflow_spinning_share": (split.get("omp_spin") or {}).get("spinning_share"),
-            "kvflow_slowest": None if slowest is None else _turns([slowest])[0]}
+            "kvflow_slowest": None if slowest is None else _turns([slowest])[0],
+            "cold_floor": cold_floor(records or [], peer_records or [], vl.get("ttft_p99_s", math.nan))}
 
 
 def _turns(records: list) -> list[dict]:
@@ -319,7 +342,7 @@ def cell_of(c: CellPlan, p, rounds: list, load: float) -> Cell:
     by_p99 = sorted(rounds, key=lambda r: r[3]["ttft_p99_s"] if math.isfinite(r[3]["ttft_p99_s"]) else math.inf)
     kv_first, kv, vl, _ = by_p99[(len(rounds) - 1) // 2]
     return Cell(c, p.kv_tokens, p.working_set_tokens, "kvflow, vllm" if kv_first else "vllm, kvflow", kv[1], vl[1],
-                med, settle(verdicts, verdict(c.workload, c.budget, med)), diagnostics(kv[1], vl[1], kv[2], kv[0]),
+                med, settle(verdicts, verdict(c.workload, c.budget, med)), diagnostics(kv[1], vl[1], kv[2], kv[0], vl[0]),
                 load, {"kvflow": _turns(kv[0]), "vllm": _turns(vl[0])},
                 [{"order": "kvflow, vllm" if f else "vllm, kvflow", "kvflow": k[1], "vllm": v[1], "ratios": r,
                   "goal": g.label} for (f, k, v, r), g in zip(rounds, verdicts)], spread)
