@@ -165,10 +165,12 @@ def reason(diag: dict) -> str:
 
 def cold_floor(records: list, peer_records: list, peer_p99_s: float) -> dict | None:
     """The slowest prompt that neither server found cached (under a tenth of it on both), at its TTFT on the server
-    that was faster for it, and that over the peer's P99 (``ratio``). Reuse cannot take kvflow's P99 much below it:
-    a P99 of 18-32 requests is their slowest one or two, and this prompt is computed from scratch on both, so where
-    the ratio is over the cell's P99 goal (0.3x where histories are reused on a quarter budget) the goal asks for a
-    faster prefill than either server ran, not for more reuse. None when there is no such prompt."""
+    that was faster for it, and that over the peer's P99 (``ratio``). A P99 of 18-32 requests is their slowest one
+    or two, and this prompt is computed from scratch on both servers: reuse does not shorten it, only a faster
+    prefill (or, under a queue of cold prompts, serving this one before the others) would. Where the ratio is over
+    the cell's P99 goal (0.3x where histories are reused on a quarter budget) the goal asks for more than either
+    server did with this prompt. It is measured, not a bound: at saturation it includes that server's queueing.
+    None when there is no such prompt."""
     peer = {(r.user, r.round): r for r in peer_records}
     cold = [(min(r.ttft_s, q.ttft_s), r) for r in records if (q := peer.get((r.user, r.round))) is not None
             and r.error is None and q.error is None and math.isfinite(r.ttft_s) and math.isfinite(q.ttft_s)
