@@ -226,7 +226,7 @@ def test_a_waiting_request_is_not_passed_over_by_later_requests_of_about_its_siz
 def test_prompts_of_about_one_size_keep_arrival_order_across_a_power_of_two():
     """A 520-token and then a 500-token cold prompt (budget 256): ranked by the power of two of their work, the later
     one (under 512) went first and the earlier waited for both — in the matrix's docqa cell a 434-token question
-    waited behind a 431-token one that arrived 0.5 s after it. Within a factor of two the earlier goes first."""
+    waited behind a 431-token one that arrived 0.4 s after it. Within a factor of two the earlier goes first."""
     arrivals = [Arrival(0, 520), Arrival(0, 500), Arrival(1, 240)]
     first, _, _ = run_queue("remaining-work", arrivals)
     assert first[0] < first[1]

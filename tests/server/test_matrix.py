@@ -125,9 +125,9 @@ def test_the_slowest_request_is_taken_from_the_records_that_succeeded():
 
 
 def test_the_cold_floor_is_the_slowest_prompt_neither_server_had_cached_at_the_faster_servers_time():
-    """kvflow's P99 cannot go much below a prompt both servers compute from scratch: the floor is the slowest such
-    prompt at the TTFT of whichever server was faster for it, over the peer's P99; a prompt either had cached (a
-    tenth of it or more) or that failed on either does not count."""
+    """Reuse does not shorten a prompt both servers compute from scratch: the floor is the slowest such prompt at the
+    TTFT of whichever server was faster for it, over the peer's P99; a prompt either had cached (a tenth of it or
+    more) or that failed on either does not count."""
     from kvflow.demo.chat import TurnRecord
     mine = [TurnRecord(0, 0, 500, 16, 4, 0.9), TurnRecord(1, 0, 400, 0, 4, 0.5), TurnRecord(0, 1, 560, 500, 4, 3.0),
             TurnRecord(2, 0, 450, 0, 4, 9.0, error="500")]

@@ -344,8 +344,9 @@ def cell_of(c: CellPlan, p, rounds: list, load: float) -> Cell:
     by_p99 = sorted(rounds, key=lambda r: r[3]["ttft_p99_s"] if math.isfinite(r[3]["ttft_p99_s"]) else math.inf)
     kv_first, kv, vl, _ = by_p99[(len(rounds) - 1) // 2]
     return Cell(c, p.kv_tokens, p.working_set_tokens, "kvflow, vllm" if kv_first else "vllm, kvflow", kv[1], vl[1],
-                med, settle(verdicts, verdict(c.workload, c.budget, med)), diagnostics(kv[1], vl[1], kv[2], kv[0], vl[0]),
-                load, {"kvflow": _turns(kv[0]), "vllm": _turns(vl[0])},
+                med, settle(verdicts, verdict(c.workload, c.budget, med)),
+                diagnostics(kv[1], vl[1], kv[2], kv[0], vl[0]), load,
+                {"kvflow": _turns(kv[0]), "vllm": _turns(vl[0])},
                 [{"order": "kvflow, vllm" if f else "vllm, kvflow", "kvflow": k[1], "vllm": v[1], "ratios": r,
                   "goal": g.label} for (f, k, v, r), g in zip(rounds, verdicts)], spread)
 
