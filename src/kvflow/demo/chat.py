@@ -41,6 +41,7 @@ import random
 import string
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -248,18 +249,31 @@ def prompts_digest(records: list[TurnRecord]) -> str:
 
 
 async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "unused",
-                   tokenizer=None) -> tuple[list, float]:
+                   tokenizer=None, ready: Callable[[], object] | None = None) -> tuple[list, float]:
     """Drive workload ``w`` against ``base_url`` (…/v1); returns per-request records and the wall time.
 
     Without ``tokenizer`` the turns go as chat messages to /v1/chat/completions (the server renders them). With one,
     every prompt goes as token ids to /v1/completions (``chat_ids``: earlier answers spliced in as the ids the server
-    returned, ``return_token_ids`` asked for), so kvflow and a peer started without a tokenizer get the same ids."""
+    returned, ``return_token_ids`` asked for), so kvflow and a peer started without a tokenizer get the same ids.
+
+    The client is made ready before the first turn — built, its request modules loaded, a connection open through
+    GET /v1/models (as vLLM's benchmark sends a test prompt first) — and then ``ready`` runs (off the event loop; the
+    benches wait there for the machine to be idle, stats.wait_idle). A client built as its round starts takes a burst
+    of CPU (a TLS context, the openai modules' first use) while the round's first prompt is computed, which a
+    server's spin governor answers by throttling that prefill (docs/ENGINE.md "Threads")."""
     import hashlib
 
     from kvflow.extras import require
     AsyncOpenAI = require("client").AsyncOpenAI
 
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    _ = client.chat.completions, client.completions        # the lazily loaded request modules
+    try:
+        await client.models.list()
+    except Exception:                   # a server without /v1/models still gets its run; its requests will say
+        pass
+    if ready is not None:
+        await asyncio.to_thread(ready)
     records: list[TurnRecord] = []
 
     async def session(u: int, s: Session):
