@@ -48,6 +48,21 @@ def test_the_op_gives_sdpa_over_each_decodes_own_keys(hq, kvh, d, lengths, windo
     assert (got - want).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_long_decode_cut_in_pieces_across_threads_gives_sdpa(threads):
+    """A lone long decode (and one among short ones) is cut into pieces merged by log-sum-exp; how many depends on
+    the thread count, the result does not."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lengths in ([4000], [4000, 20, 300]):
+            q, kv, tables, lens = _case(len(lengths), 9, 3, 64, lengths, num_blocks=300, seed=threads)
+            got = paged_decode.attend(q, kv, tables, lens, 16, 0.125, None)
+            assert (got - _sdpa(q, kv, tables, lens, 16, 0.125, None)).abs().max().item() <= 1e-5
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_op_refuses_a_length_beyond_its_table_or_a_block_beyond_the_cache():
     q, kv, tables, lens = _case(1, 4, 2, 32, [20])
     with pytest.raises(RuntimeError, match="outside the block table"):

@@ -6,16 +6,21 @@
 //   lengths [B]               int64 keys of each sequence: positions [0, length), or the last `window` of them
 //   out     [B, Hq, D]        softmax(scale * q . K^T) . V over those keys
 //
-// A work item is a sequence (or one KV head of it), over torch's own thread pool (at::parallel_for): its query heads'
-// scores over the keys, tile by tile of 64 keys (a tile's K rows read from memory once, then from the caches for
-// every head), the softmax, then the weighted sum of V the same way, in fp32. Scores go eight keys at a time with
-// their horizontal sums reduced together, and each query head's output stays in registers over a tile's keys.
+// A work item is a piece of one decode's keys, all its KV heads (each key's row read whole), over torch's own thread
+// pool, a thread taking the next piece when it is done: its query heads' scores over the piece's keys, tile by tile
+// of 64 keys (a tile's K rows read from memory once, then from the caches for every head), exp(s - max) and its sum,
+// then the weighted sum of V the same way, in fp32. Scores go eight keys at a time with their horizontal sums reduced
+// together, and each query head's output stays in registers over a tile's keys. A decode cut in several pieces is
+// merged by their log-sum-exps at the end. Pieces are about a quarter of a thread's share of the step's keys, so one
+// long decode, alone or among short ones, keeps every thread busy to the end (one piece a KV head, as before, left a
+// thread idle for a third of a lone decode on 3 KV heads and 2 threads).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "simd.h"
@@ -85,6 +90,13 @@ void weighted_sum(const float* p, int64_t ld, int64_t g, const float* const* row
 }
 
 constexpr int64_t kTile = 64;    // keys a pass takes through every head before the next: their rows stay in L1/L2
+constexpr int64_t kMinPiece = 128;   // keys of a piece at least: below, a merge costs more than the balance gains
+
+// A piece of one decode's keys, [lo, hi): the unit of work. Its output is left unnormalized, with each query head's
+// running max and sum, when its sequence has other pieces (merged after), else normalized in place.
+struct Piece {
+  int64_t b, lo, hi;
+};
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                         const at::Tensor& lengths, int64_t block_size, double scale, int64_t window) {
@@ -113,44 +125,83 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv, const at::Ten
   }
   const float sc = static_cast<float>(scale);
   const int64_t row = Hkv * D;
-  // A work item is a sequence's KV heads [h0, h0 + hp): all of them when the sequences alone keep the threads busy,
-  // else one head each (a lone long decode still uses every thread). Its keys' rows are listed once (block by
-  // block), then each head's scores over K, the softmax, and the weighted sum of V.
-  const int64_t hp = B >= 2 * at::get_num_threads() ? Hkv : 1, parts = Hkv / hp, Gp = hp * G;
   const int64_t v_off = S * row;                                  // V's row of a key, from its K row
-  at::parallel_for(0, B * parts, 1, [&](int64_t begin, int64_t end) {
+  // The pieces: every decode's keys cut into pieces of about a quarter of a thread's share of the step's keys (at
+  // least kMinPiece; a decode shorter than that is one piece), so that a lone long decode, or one long among short
+  // ones, keeps every thread busy to the end. Each piece reads all KV heads of its keys (contiguous rows).
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> lo_of(B), first(B + 1);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    lo_of[b] = window > 0 ? std::max<int64_t>(0, lp[b] - window) : 0;
+    total += lp[b] - lo_of[b];
+  }
+  const int64_t target = std::max<int64_t>(kMinPiece, (total + 4 * threads - 1) / (4 * threads));
+  std::vector<Piece> pieces;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lp[b] - lo_of[b], k = std::max<int64_t>(1, n / target), size = (n + k - 1) / k;
+    first[b] = static_cast<int64_t>(pieces.size());
+    for (int64_t lo = lo_of[b]; lo < lp[b]; lo += size) pieces.push_back({b, lo, std::min(lp[b], lo + size)});
+  }
+  first[B] = static_cast<int64_t>(pieces.size());
+  const int64_t P = first[B];
+  std::vector<float> part_o(static_cast<size_t>(P) * Hq * D), part_m(P * Hq), part_l(P * Hq);
+  std::atomic<int64_t> next{0};                           // each thread takes the next piece when it is done
+  at::parallel_for(0, std::min(threads, P), 1, [&](int64_t, int64_t) {
     std::vector<float> p;
     std::vector<const float*> rows;
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / parts, h0 = (w % parts) * hp, len = lp[b];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - lo;
+    for (int64_t w; (w = next.fetch_add(1)) < P;) {
+      const Piece& pc = pieces[w];
+      const int64_t b = pc.b, n = pc.hi - pc.lo;
       const int64_t* table = tp + b * M;
       rows.resize(n);
-      for (int64_t blk = lo / block_size, pos = lo, t = 0; pos < len; ++blk) {
-        const float* first = kp + table[blk] * block_size * row;
-        for (const int64_t stop = std::min(len, (blk + 1) * block_size); pos < stop; ++pos)
-          rows[t++] = first + (pos % block_size) * row;
+      for (int64_t blk = pc.lo / block_size, pos = pc.lo, t = 0; pos < pc.hi; ++blk) {
+        const float* start = kp + table[blk] * block_size * row;
+        for (const int64_t stop = std::min(pc.hi, (blk + 1) * block_size); pos < stop; ++pos)
+          rows[t++] = start + (pos % block_size) * row;
       }
-      p.resize(Gp * n);
-      for (int64_t t0 = 0; t0 < n; t0 += kTile) {               // scores: each tile of K read once, every head
-        for (int64_t hh = 0; hh < hp; ++hh) {
-          const int64_t h = h0 + hh;
+      p.resize(Hq * n);
+      for (int64_t t0 = 0; t0 < n; t0 += kTile)                 // scores: each tile of K read once, every head
+        for (int64_t h = 0; h < Hkv; ++h)
           scores(qp + (b * Hq + h * G) * D, G, rows.data() + t0, h * D, std::min(kTile, n - t0), D, sc,
-                 p.data() + hh * G * n + t0, n);
-        }
+                 p.data() + h * G * n + t0, n);
+      float* mw = part_m.data() + w * Hq;
+      float* lw = part_l.data() + w * Hq;
+      for (int64_t j = 0; j < Hq; ++j) {                        // each query head's row: exp(s - max), its sum
+        mw[j] = kvflow::max_row(p.data() + j * n, n);
+        lw[j] = kvflow::exp_sum_row(p.data() + j * n, n, mw[j]);
       }
-      for (int64_t j = 0; j < Gp; ++j) kvflow::softmax_row(p.data() + j * n, n);    // each query head's row
-      float* ob = op + (b * Hq + h0 * G) * D;
-      std::fill(ob, ob + Gp * D, 0.f);
-      for (int64_t t0 = 0; t0 < n; t0 += kTile) {               // the weighted sum: each tile of V read once
-        for (int64_t hh = 0; hh < hp; ++hh) {
-          const int64_t h = h0 + hh;
-          weighted_sum(p.data() + hh * G * n + t0, n, G, rows.data() + t0, v_off + h * D, std::min(kTile, n - t0), D,
-                       ob + hh * G * D);
+      const bool alone = first[b + 1] - first[b] == 1;
+      float* ow = alone ? op + b * Hq * D : part_o.data() + w * Hq * D;
+      std::fill(ow, ow + Hq * D, 0.f);
+      for (int64_t t0 = 0; t0 < n; t0 += kTile)                 // the weighted sum: each tile of V read once
+        for (int64_t h = 0; h < Hkv; ++h)
+          weighted_sum(p.data() + h * G * n + t0, n, G, rows.data() + t0, v_off + h * D, std::min(kTile, n - t0), D,
+                       ow + h * G * D);
+      if (alone)
+        for (int64_t j = 0; j < Hq; ++j) {
+          const float inv = 1.f / lw[j];
+          for (int64_t d = 0; d < D; ++d) ow[j * D + d] *= inv;
         }
-      }
     }
   });
+  for (int64_t b = 0; b < B; ++b) {                       // a decode cut in pieces: merged by their log-sum-exps
+    if (first[b + 1] - first[b] == 1) continue;
+    for (int64_t j = 0; j < Hq; ++j) {
+      float top = part_m[first[b] * Hq + j];
+      for (int64_t w = first[b] + 1; w < first[b + 1]; ++w) top = std::max(top, part_m[w * Hq + j]);
+      float* o = op + (b * Hq + j) * D;
+      std::fill(o, o + D, 0.f);
+      float sum = 0.f;
+      for (int64_t w = first[b]; w < first[b + 1]; ++w) {
+        const float f = kvflow::exp1(part_m[w * Hq + j] - top);
+        sum += f * part_l[w * Hq + j];
+        kvflow::axpy(f, part_o.data() + (w * Hq + j) * D, o, D);
+      }
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
   return out;
 }
 
