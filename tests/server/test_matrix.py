@@ -168,3 +168,21 @@ def test_the_new_workloads_run_through_bench_serve_end_to_end(workload, tmp_path
                  "8", "--answer-tokens", "2", "--think", "0", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "results.json").read_text())["runs"]["resident"]["summary"]
     assert summary["errors"] == 0 and summary["requests"] == {"longfirst": 4, "prefix": 4, "random": 2}[workload]
+
+
+def test_request_latency_is_send_to_last_token_and_each_cell_reports_its_ratio():
+    """A stream that paused mid-answer and a request that queued before its first token both show in the request
+    latency (TurnRecord.e2e_s); the summary gives its P99 and mean, the cell its ratio beside the TTFT ones."""
+    from types import SimpleNamespace
+    from kvflow.demo.chat import TurnRecord, summarize
+    paused = TurnRecord(0, 0, 100, 0, 4, ttft_s=0.1, itl_s=[0.05, 5.0, 0.05], e2e_s=5.2)
+    queued = TurnRecord(1, 0, 100, 0, 4, ttft_s=5.0, itl_s=[0.05, 0.05, 0.05], e2e_s=5.15)
+    failed = TurnRecord(2, 0, 100, 0, 0, error="ReadError")
+    s = summarize([paused, queued, failed], wall_s=6.0)
+    assert 5.19 < s["e2e_p99_s"] <= 5.2 and math.isclose(s["e2e_mean_s"], 5.175) and s["errors"] == 1
+
+    kv, vl = summarize([paused], 6.0), summarize([queued], 6.0)
+    ratios = {k: 1.0 for k in RATIO_KEYS} | {"e2e_p99_s": 0.53}
+    c = cell_of(CellPlan("docqa", "quarter", "saturated", 8.0), SimpleNamespace(kv_tokens=100, working_set_tokens=400),
+                [(True, ([paused], kv, {}), ([queued], vl, {}), ratios)], 0.5)
+    assert c.row()["latency P99 ÷"] == 0.53 and "e2e_p99_s" in c.to_json()["ratios"]

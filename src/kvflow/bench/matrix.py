@@ -29,14 +29,15 @@ every round met the goals, missed when none did, otherwise *inside the noise* �
 18-32 requests, and one cell's ratio moves by 10-20% between runs on this machine, so a single round's 1.05x is not
 a loss, nor its 0.95x a win.
 
-Per cell: TTFT P50 / P99 / mean, ITL P50 / P99 and output tokens/s of both servers, the ratios kvflow / vLLM, and
-the goal verdict (``verdict``); diagnostics measured for every cell: the shares of prompt tokens served from cache
+Per cell: TTFT P50 / P99 / mean, ITL P50 / P99, request latency P99 / mean (sent to last token: where the wait
+went, before the first token or in a pause mid-answer) and output tokens/s of both servers, the ratios kvflow /
+vLLM, and the goal verdict (``verdict``: TTFT and throughput, the issue's goals; latency is reported beside them); diagnostics measured for every cell: the shares of prompt tokens served from cache
 (kvflow: resident + pool from its engine, vLLM: ``cached_tokens`` from usage), kvflow's pool restores, swaps and
 preemptions (the counters its /metrics exports), both ITL P50s and errors. A missed cell's ``reason`` names the
 measured differences.
 
     run = matrix_run(MatrixOptions(workloads=("longfirst", "chat")), cost_for=ensure_cost, note=print)
-    run.report(as_json=False)          # table, results.json, matrix.png (the P99 and mean TTFT ratio heatmaps)
+    run.report(as_json=False)          # table, results.json, matrix.png (P99 / mean TTFT, P99 latency heatmaps)
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ def diagnostics(kv: dict, vl: dict, split: dict | None, records: list | None = N
 
 def _turns(records: list) -> list[dict]:
     """Per request, in (user, round) order: what the issue's per-request view needs."""
-    return [{"user": r.user, "round": r.round, "ttft_s": r.ttft_s, "prompt_tokens": r.prompt_tokens,
+    return [{"user": r.user, "round": r.round, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
+             "longest_gap_s": max(r.itl_s, default=0.0), "prompt_tokens": r.prompt_tokens,
              "cached_tokens": r.cached_tokens, "output_tokens": r.output_tokens, "error": r.error}
             for r in sorted(records, key=lambda r: (r.user, r.round))]
 
@@ -306,7 +308,8 @@ class Cell:
                 "P50": pair("ttft_p50_s"), "P99": pair("ttft_p99_s"), "mean": pair("ttft_mean_s"),
                 "ITL P99": pair("itl_p99_s"), "tok/s": pair("output_tok_s", 1.0, ".1f"),
                 "P99 ÷": self.ratio("ttft_p99_s"), "mean ÷": self.ratio("ttft_mean_s"),
-                "tok/s ÷": self.ratio("output_tok_s"), "goal": self.verdict.label}
+                "tok/s ÷": self.ratio("output_tok_s"), "latency P99 ÷": self.ratio("e2e_p99_s"),
+                "goal": self.verdict.label}
 
     def ratio(self, key: str):
         """The median ratio; over several rounds with its spread, as text."""
@@ -353,7 +356,7 @@ def cell_of(c: CellPlan, p, rounds: list, load: float) -> Cell:
 
 
 RATIO_KEYS = ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "later_ttft_p99_s", "itl_p50_s", "itl_p99_s",
-              "output_tok_s")
+              "e2e_p99_s", "e2e_mean_s", "output_tok_s")
 
 
 def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None] = lambda line: None):
@@ -430,7 +433,7 @@ def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None]
                "estimate_s": est, "wall_s": wall, "groups": group_info, "cells": [c.to_json() for c in cells],
                "goals_met": sum(c.verdict.met for c in cells), "inside_noise": sum(c.verdict.noise for c in cells),
                "cells_total": len(cells), "repeats": o.repeats}
-    save_figure(folder / "matrix.png", draw_heatmap(cells), panels=2, size=(5.5, 0.5 + 0.45 * len(groups) + 1.5))
+    save_figure(folder / "matrix.png", draw_heatmap(cells), panels=3, size=(5.5, 0.5 + 0.45 * len(groups) + 1.5))
     noise = (f" ({results['inside_noise']} more inside the noise: met in some of their {o.repeats} rounds)"
              if results["inside_noise"] else "")
     footer = (f"{results['goals_met']}/{len(cells)} cells meet issue 32's goals{noise}; {wall / 60:.1f} min (estimated "
@@ -445,15 +448,16 @@ def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None]
 
 
 def draw_heatmap(cells: list[Cell]):
-    """Two panels (P99 and mean TTFT, kvflow / vLLM): a row per (workload, budget), a column per rate level; green
-    below 1x, red above, each cell's ratio written in it."""
+    """Three panels (P99 and mean TTFT, P99 request latency; kvflow / vLLM): a row per (workload, budget), a column
+    per rate level; green below 1x, red above, each cell's ratio written in it."""
     import numpy as np
 
     rows = list(dict.fromkeys((c.plan.workload, c.plan.budget) for c in cells))
     cols = [lv for lv in LEVELS if any(c.plan.level == lv for c in cells)]
 
     def draw(axes):
-        for ax, key, title in zip(axes, ("ttft_p99_s", "ttft_mean_s"), ("P99 TTFT", "mean TTFT")):
+        for ax, key, title in zip(axes, ("ttft_p99_s", "ttft_mean_s", "e2e_p99_s"),
+                                  ("P99 TTFT", "mean TTFT", "P99 request latency")):
             grid = np.full((len(rows), len(cols)), np.nan)
             for c in cells:
                 grid[rows.index((c.plan.workload, c.plan.budget)), cols.index(c.plan.level)] = c.ratios[key]

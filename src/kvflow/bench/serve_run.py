@@ -116,7 +116,8 @@ def serve_run(o: ServeRunOptions, cost_for: Callable, note: Callable[[str], None
     if "vs_peer" in results:
         ratios = ", ".join(f"{n} P99 {v['ttft_p99_s_ratio']:.2f}x mean {v['ttft_mean_s_ratio']:.2f}x "
                            f"(later turns P99 {v['later_ttft_p99_s_ratio']:.2f}x; ITL P99 "
-                           f"{v['itl_p99_s_ratio']:.2f}x, output tok/s {v['output_tok_s_ratio']:.2f}x)"
+                           f"{v['itl_p99_s_ratio']:.2f}x, request latency P99 {v['e2e_p99_s_ratio']:.2f}x, "
+                           f"output tok/s {v['output_tok_s_ratio']:.2f}x)"
                            for n, v in results["vs_peer"].items())
         same = ("chat text, each server's own answers in its later prompts" if results["same_prompts"] is None
                 else f"same prompt ids on both: {results['same_prompts']}")
@@ -319,7 +320,7 @@ def in_tokens(w: ChatWorkload, tokenizer) -> ChatWorkload:
 
 
 def _compare_with_peer(results: dict, rounds_of: dict, names: list[str], peer: str) -> None:
-    """``vs_peer``: each configuration's TTFT, ITL P99 and output tokens/s over the peer's (medians, and round i
+    """``vs_peer``: each configuration's TTFT, ITL P99, request latency and output tokens/s over the peer's (medians, and round i
     against the peer's round i); ``same_prompts``: both were sent the same prompt ids (token-id runs; with chat text
     each server's answers join its own later prompts, so they may differ: None)."""
     ref = results["runs"][peer]["summary"]
@@ -328,7 +329,8 @@ def _compare_with_peer(results: dict, rounds_of: dict, names: list[str], peer: s
         return [a[1][k] / b[1][k] for a, b in zip(rounds_of[name], rounds_of[peer])]
     results["vs_peer"] = {name: {**{f"{k}_ratio": results["runs"][name]["summary"][k] / ref[k]
                                     for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "later_ttft_p99_s",
-                                              "later_ttft_mean_s", "itl_p99_s", "output_tok_s")},
+                                              "later_ttft_mean_s", "itl_p99_s", "e2e_p99_s", "e2e_mean_s",
+                                              "output_tok_s")},
                                  "rounds_ttft_p99_ratio": paired(name, "ttft_p99_s"),
                                  "rounds_ttft_mean_ratio": paired(name, "ttft_mean_s")}
                           for name in names}

@@ -342,6 +342,9 @@ def summarize(records: list[TurnRecord], wall_s: float) -> dict:
     # is a cold prefill on every server)
     later = np.array([r.ttft_s for r in ok if r.round > 0 and r.ttft_s == r.ttft_s])
     itl = np.array([x for r in ok for x in r.itl_s])
+    # request latency: sent to last token (vLLM's benchmark client calls it E2EL) — where a stream that paused
+    # mid-answer and a request that queued before its first token both show
+    e2e = np.array([r.e2e_s for r in ok if r.e2e_s == r.e2e_s])
     pct = percentile
     prompt = sum(r.prompt_tokens for r in ok)
     return {"requests": len(records), "errors": len(records) - len(ok),
@@ -350,6 +353,7 @@ def summarize(records: list[TurnRecord], wall_s: float) -> dict:
             "later_ttft_mean_s": float(later.mean()) if later.size else float("nan"),
             "later_ttft_p99_s": pct(later, 99),
             "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
+            "e2e_mean_s": float(e2e.mean()) if e2e.size else float("nan"), "e2e_p99_s": pct(e2e, 99),
             "output_tok_s": sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else float("nan"),
             "prompt_tokens": prompt, "cached_share": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
             "wall_s": wall_s}
@@ -427,7 +431,7 @@ def result_row(name: str, summary: dict, split: dict | None) -> dict:
            "ttft_p99_ms": summary["ttft_p99_s"] * 1e3, "ttft_mean_ms": summary["ttft_mean_s"] * 1e3,
            "later_p99_ms": summary.get("later_ttft_p99_s", float("nan")) * 1e3,
            "itl_p50_ms": summary["itl_p50_s"] * 1e3, "itl_p99_ms": summary["itl_p99_s"] * 1e3,
-           "out_tok_s": summary["output_tok_s"]}
+           "latency_p99_ms": summary["e2e_p99_s"] * 1e3, "out_tok_s": summary["output_tok_s"]}
     row.update(resident=split["resident"] if split else None, pool=split["pool"] if split else None,
                miss=split["miss"] if split else None, cached=summary["cached_share"])
     return row
