@@ -24,7 +24,8 @@ without a pool swaps nobody and runs FCFS::
     together make room (nobody is swapped for nothing).
 
 A request's time to first token is then one step plus its restoration and prefill, whatever the others hold; the
-decoders swapped for it pause for about one answer's length (their inter-token latency shows it).
+decoders swapped for it pause for at least one answer's length (their inter-token latency shows it), longer under a
+stream of arrivals: a swapped decoder returns behind every request without a token (docs/ENGINE.md, "Not yet").
 
 ``scheduling_policy = "remaining-work"`` keeps the first-token swaps and orders prefill work by how close each request
 is to its first token. Each step: every decode takes its one token first; then the prefill candidates — running
