@@ -8,7 +8,8 @@ the model's, not measured (docs/BENCHMARKS.md has those).
     PYTHONPATH=src python -m tests.engine.virtual_replay prefix light --share 0.25 [--policy remaining-work]
         [--starvation F] [--requests] [--steps]
 
-Prints one line: TTFT mean / P50 / P99 (later turns' P99), ITL P50 / P99 / max, wall, output tokens/s, swaps,
+Prints one line: TTFT mean / P50 / P99 (later turns' P99), ITL P50 / P99 / max, request latency mean / P99 (arrival
+to last token), wall, output tokens/s, swaps,
 preemptions, the steps whose budget cut was moved to a later arrival, computed tokens, steps and the mean decode
 batch; ``--requests`` adds a line per request, ``--steps`` one per step (who decoded, who prefilled how much, who
 waits, free blocks, who was swapped or preempted).
@@ -126,13 +127,15 @@ def replay(kind: str, level: str, share: float, policy: str, model: str, per_req
             print(f"request {sid} user {m['user']} turn {m['turn']} arrival {m['arrival']:.2f} prompt {m['prompt']} "
                   f"cached {m.get('cached')} ttft {m['first']:.2f} end {m['end']:.2f}")
     ttft = [m["first"] for m in meta.values()]
+    latency = [m["end"] - m["arrival"] for m in meta.values()]          # sent to last token
     wall = clock[0]
     return {"workload": kind, "level": level, "share": share, "policy": policy,
             "starvation": eng.scheduler.config.starvation_factor,
             "ttft_mean": statistics.mean(ttft), "ttft_p50": statistics.median(ttft), "ttft_p99": p99(ttft),
             "later_p99": p99([m["first"] for m in meta.values() if m["turn"] > 0]),
             "itl_p50": statistics.median(gaps) if gaps else float("nan"), "itl_p99": p99(gaps),
-            "itl_max": max(gaps, default=float("nan")), "wall": wall,
+            "itl_max": max(gaps, default=float("nan")), "latency_mean": statistics.mean(latency),
+            "latency_p99": p99(latency), "wall": wall,
             "tok_s": sum(len(m["out"]) for m in meta.values()) / wall, "swaps": eng.stats.swaps,
             "preemptions": eng.stats.preemptions, "cuts_moved": moved[0], "computed": eng.stats.computed_tokens,
             "steps": eng.stats.steps,
