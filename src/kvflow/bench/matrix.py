@@ -31,10 +31,10 @@ a loss, nor its 0.95x a win.
 
 Per cell: TTFT P50 / P99 / mean, ITL P50 / P99, request latency P99 / mean (sent to last token: where the wait
 went, before the first token or in a pause mid-answer) and output tokens/s of both servers, the ratios kvflow /
-vLLM, and the goal verdict (``verdict``: TTFT and throughput, the issue's goals; latency is reported beside them); diagnostics measured for every cell: the shares of prompt tokens served from cache
-(kvflow: resident + pool from its engine, vLLM: ``cached_tokens`` from usage), kvflow's pool restores, swaps and
-preemptions (the counters its /metrics exports), both ITL P50s and errors. A missed cell's ``reason`` names the
-measured differences.
+vLLM, and the goal verdict (``verdict``: TTFT and throughput, the issue's goals; latency is reported beside them);
+diagnostics measured for every cell: the shares of prompt tokens served from cache (kvflow: resident + pool from its
+engine, vLLM: ``cached_tokens`` from usage), kvflow's pool restores, swaps and preemptions (the counters its
+/metrics exports), both ITL P50s and errors. A missed cell's ``reason`` names the measured differences.
 
     run = matrix_run(MatrixOptions(workloads=("longfirst", "chat")), cost_for=ensure_cost, note=print)
     run.report(as_json=False)          # table, results.json, matrix.png (P99 / mean TTFT, P99 latency heatmaps)
