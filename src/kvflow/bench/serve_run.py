@@ -321,8 +321,8 @@ def in_tokens(w: ChatWorkload, tokenizer) -> ChatWorkload:
 
 def _compare_with_peer(results: dict, rounds_of: dict, names: list[str], peer: str) -> None:
     """``vs_peer``: each configuration's TTFT, ITL P99, request latency and output tokens/s over the peer's (medians,
-    and round i against the peer's round i); ``same_prompts``: both were sent the same prompt ids (token-id runs; with chat text
-    each server's answers join its own later prompts, so they may differ: None)."""
+    and round i against the peer's round i); ``same_prompts``: both were sent the same prompt ids (token-id runs;
+    with chat text each server's answers join its own later prompts, so they may differ: None)."""
     ref = results["runs"][peer]["summary"]
 
     def paired(name: str, k: str) -> list[float]:
