@@ -54,6 +54,22 @@ def test_a_fused_layer_gives_its_modules_output_and_kv(model_type, extra, rows, 
             assert w.shape == g.shape and (w - g).abs().max().item() <= 1e-5 * w.abs().max().item()
 
 
+@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 48}),
+                                              ("llama", {"attention_bias": True})])
+@pytest.mark.parametrize("rows,start", [(1, 0), (1, 300), (9, 0), (512, 17)])
+def test_a_fused_layer_and_its_module_compute_alike_bit_for_bit(model_type, extra, rows, start):
+    """Once fused, the module's norms, rotation and q/k/v compute as the fused layer's (model/layer.py, "One
+    computation for every path"): on the same attention the two give the same output and K/V bit for bit, so a
+    chunked prefill differs from the full one only by the attention's summation order."""
+    runner = _runner(model_type, **extra)
+    for fused, module in zip(runner.layers, runner._base.layers):
+        hidden = torch.randn(1, rows, 128, generator=torch.Generator().manual_seed(rows + start)) * 3
+        want, want_kv = _run(module, runner, hidden, start)
+        got, got_kv = _run(fused, runner, hidden, start)
+        assert torch.equal(want, got)
+        assert all(torch.equal(w, g) for w, g in zip(want_kv, got_kv))
+
+
 def test_the_models_own_forward_keeps_its_modules():
     runner = _runner("llama")
     for module in runner._base.layers:
@@ -70,7 +86,10 @@ def test_a_layer_whose_probe_differs_keeps_its_own_forward():
     module = runner._base.layers[0]
     own = type(module).forward
     module.forward = lambda hidden_states, *a, **k: own(module, hidden_states, *a, **k) + 1.0   # computes otherwise
+    norm, k_proj = module.input_layernorm, module.self_attn.k_proj
+    norm_forward, k_forward = vars(norm).get("forward"), vars(k_proj).get("forward")
     assert layer.fuse(module, runner._base.rotary_emb, runner._cache_kw) is module
+    assert vars(norm).get("forward") is norm_forward and vars(k_proj).get("forward") is k_forward   # as they were
 
 
 def test_no_fusion_on_f_linear_or_under_the_memory_guard(monkeypatch):

@@ -4,7 +4,8 @@
 //   add_rms_norm(x, y, w, eps) -> (s, n)         s = x + y (the residual), n = rms_norm(s, w, eps)
 //   rotary_(x [T, H, D], cos [T, D], sin [T, D], heads)
 //                                                in place, heads [0, heads) of each row: x * cos + rotate_half(x) *
-//                                                sin, rotate_half(x) = (-x[D/2:], x[:D/2]) (Llama's, NeoX's layout)
+//                                                sin, rotate_half(x) = (-x[D/2:], x[:D/2]) (Llama's, NeoX's layout),
+//                                                rounded as torch rounds it (rotate_head)
 //   silu_mul(gu [.., 2I]) -> [.., I]             silu(gu[.., :I]) * gu[.., I:] (a gated MLP's packed gate|up)
 //
 // All fp32 on the host. Rows go over torch's thread pool only when there are enough of them to pay for waking it
@@ -71,6 +72,19 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, out};
 }
 
+// One head's rotation in place, rounded as torch rounds transformers' q * cos + rotate_half(q) * sin: each product,
+// then their sum. No multiply-add is fused (the library is built with -mfma, and GCC would contract these), so the
+// result is the model's own rotation bit for bit (model/layer.py: the module and the fused layer compute alike).
+__attribute__((optimize("fp-contract=off"))) void rotate_head(float* __restrict a, const float* __restrict c,
+                                                              const float* __restrict s, int64_t half) {
+  float* __restrict b = a + half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float lo = a[i], hi = b[i];
+    a[i] = lo * c[i] - hi * s[i];
+    b[i] = hi * c[i + half] + lo * s[i + half];
+  }
+}
+
 void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
   check_fp32(x, "x");
   check_fp32(cos, "cos");
@@ -82,17 +96,7 @@ void rotary_(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, 
   float* xp = x.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   each_row(T, heads * D, [&](int64_t t) {
-    const float* __restrict c = cp + t * D;
-    const float* __restrict s = sp + t * D;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* __restrict a = xp + (t * H + h) * D;
-      float* __restrict b = a + half;
-      for (int64_t i = 0; i < half; ++i) {
-        const float lo = a[i], hi = b[i];
-        a[i] = lo * c[i] - hi * s[i];
-        b[i] = hi * c[i + half] + lo * s[i + half];
-      }
-    }
+    for (int64_t h = 0; h < heads; ++h) rotate_head(xp + (t * H + h) * D, cp + t * D, sp + t * D, half);
   });
 }
 
