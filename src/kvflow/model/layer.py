@@ -154,7 +154,10 @@ class SharedRMSNorm:
         self.norm, self.eps, self.ops = norm, eps, ops
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.norm.weight, self.eps, self.ops)
+        norm = self.norm
+        if not linear.host_fp32(hidden_states, norm.weight):      # where the fused layer runs the module too
+            return type(norm).forward(norm, hidden_states)
+        return rms_norm(hidden_states, norm.weight, self.eps, self.ops)
 
     def __deepcopy__(self, memo):
         return SharedRMSNorm(copy.deepcopy(self.norm, memo), self.eps, self.ops)
