@@ -2,9 +2,11 @@
 full prefill itself is from other ways of computing it — the room the exactness bound (KV max |diff| <= 1e-4) leaves
 at depth and length (docs/DESIGN.md, "Exactness").
 
-    .venv/bin/python docs/bench/exactness_depth.py [--lengths 2048,8192] [--texts 0,1] [--out exactness_depth.json]
+    .venv/bin/python docs/bench/exactness_depth.py [--lengths 2048,8192] [--texts 0,1,human] [--out exactness_depth.json]
 
-Per length and text (demo text, kvflow/demo/chat.py's ``_text``, cut to the length in smollm2's own tokens):
+Per length and text, cut to the length in smollm2's own tokens: a number is a seed of random words (the matrix's
+workload text, kvflow/demo/chat.py's ``_text``); ``human`` the demo's written reference documents, repeated
+(kvflow/demo/texts.py's ``long_document``):
 
     engine     the engine's steps (BatchRunner, chunks of --step tokens) against kvflow's full prefill
                (``ModelRunner.reference_prefill``: the model as kvflow loads it, one transformers forward)
@@ -26,6 +28,7 @@ import torch
 
 from kvflow import KVPool, Restorer, load_model
 from kvflow.demo.chat import _text
+from kvflow.demo.texts import long_document
 from kvflow.engine.model_runner import BatchRunner, StepItem
 from kvflow.engine.paged_cache import PagedKVCache
 from kvflow.engine.tokenizer import load_tokenizer
@@ -65,8 +68,9 @@ def restore_kv(runner, ids: list[int], strategies: list[str]) -> dict:
     return {s: restorer.restore(context, query, s) for s in strategies}
 
 
-def point(runner, plain, tokenizer, length: int, text: int, step: int) -> dict:
-    ids = tokenizer.encode(_text(random.Random(text), int(length * 2.2)))[:length]
+def point(runner, plain, tokenizer, length: int, text: str, step: int) -> dict:
+    ids = long_document(tokenizer, length) if text == "human" else \
+        tokenizer.encode(_text(random.Random(int(text)), int(length * 2.2)))[:length]
     assert len(ids) == length, f"text {text} has {len(ids)} tokens, not {length}"
     t0 = time.perf_counter()
     ref_kv, ref_logits = runner.reference_prefill(torch.tensor(ids))
@@ -110,7 +114,7 @@ def main() -> None:
                                                  attn_implementation="sdpa")
     rows = []
     for length in (int(x) for x in a.lengths.split(",")):
-        for text in (int(x) for x in a.texts.split(",")):
+        for text in a.texts.split(","):
             rows.append(point(runner, plain, tokenizer, length, text, a.step))
             r = rows[-1]
             print(f"{length:6d} tokens, text {text}: engine {r['engine_kv']:.2e}  restore recompute "

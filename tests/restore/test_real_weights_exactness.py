@@ -43,3 +43,32 @@ def test_every_strategy_on_real_weights_equals_full_prefill(smollm2, request_ids
         if strategy not in WHOLE:
             assert 0 < sum(out.plan.split) < L * n, (strategy, out.plan.split)
             assert {"compute", "load"} <= {e.kind for e in out.timeline}, (strategy, out.plan.split)
+
+
+def test_a_2k_token_context_in_engine_steps_and_restored_equals_full_prefill(smollm2, smollm2_tokenizer):
+    """Past 1,024 keys a chunk takes torch's flash path (prefix + diagonal, model/attention.py), not the native op
+    the 300-token tests above use: 2,048 tokens of human text in engine steps of 512, and restored from chunks of
+    256 (recompute and cacheflow), give the full prefill's KV and logits on all 30 layers."""
+    from kvflow.demo.texts import long_document
+    from kvflow.engine.model_runner import BatchRunner, StepItem
+    from kvflow.engine.paged_cache import PagedKVCache
+    ids = long_document(smollm2_tokenizer, 2048)
+    ref_kv, ref_logits = smollm2.reference_prefill(torch.tensor(ids))
+    cache = PagedKVCache(smollm2.num_layers, 130, 16, smollm2.kv_heads, smollm2.head_dim)
+    steps, table = BatchRunner(smollm2, cache), list(range(130))
+    for s in range(0, 2048, 512):
+        out = steps.execute([StepItem(table, s, ids[s:s + 512], s + 512 >= 2048)])
+    logits = out[0]
+    kv = [(cache.kv[i, 0, :2048].transpose(0, 1).unsqueeze(0), cache.kv[i, 1, :2048].transpose(0, 1).unsqueeze(0))
+          for i in range(smollm2.num_layers)]
+    assert max_abs_diff_kv(kv, ref_kv) <= TOL and (logits - ref_logits).abs().max().item() <= TOL
+    assert logits.argmax() == ref_logits.argmax()
+    pool = KVPool.memory("256M", chunk_tokens=256)
+    restorer = Restorer(smollm2, pool, cost=synthetic_cost(smollm2), calibrate=False)
+    context, query = torch.tensor(ids[:-32]), torch.tensor(ids[-32:])
+    restorer.store(context)
+    pool.set_throttle(restorer.cost.short_context_rate(256))
+    for strategy in ("recompute", "cacheflow"):
+        out = restorer.restore(context, query, strategy)
+        assert max_abs_diff_kv(out.kv, ref_kv) <= TOL and (out.logits - ref_logits).abs().max().item() <= TOL
+        assert out.logits.argmax() == ref_logits.argmax(), strategy

@@ -184,3 +184,14 @@ def questions(user: int, rounds: int, seed: int = 0) -> list[str]:
     """The user's ``rounds`` turns: the conversation's questions, then follow-ups in turn."""
     asked = conversation(user, seed).questions
     return [asked[k] if k < len(asked) else FOLLOW_UPS[(k - len(asked)) % len(FOLLOW_UPS)] for k in range(rounds)]
+
+
+def long_document(tokenizer, n: int) -> list[int]:
+    """``n`` token ids of human text: the conversations' reference documents, one after another, repeated (a long
+    context for checks on a real model; ``tokenizer.encode`` gives ids)."""
+    text = "\n\n".join(c.document for c in CONVERSATIONS)
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer.encode(text + "\n\n")
+    return ids[:n]
+
