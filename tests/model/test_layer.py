@@ -3,6 +3,7 @@ does, and leaves the model's own forward (generate, the reference prefill) on th
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvflow import native
 from kvflow.model import ModelRunner, layer, linear
@@ -90,6 +91,25 @@ def test_a_layer_whose_probe_differs_keeps_its_own_forward():
     norm_forward, k_forward = vars(norm).get("forward"), vars(k_proj).get("forward")
     assert layer.fuse(module, runner._base.rotary_emb, runner._cache_kw) is module
     assert vars(norm).get("forward") is norm_forward and vars(k_proj).get("forward") is k_forward   # as they were
+
+
+def test_a_norm_that_only_looks_like_llamas_fails_the_probe_and_its_module_stays_as_it_was(monkeypatch):
+    """Another formula behind Llama's attributes (Gemma's x * (1 + w)): the probe compares the fused layer with the
+    module as loaded, so the layer keeps its own forward and nothing of it is made to compute alike."""
+    monkeypatch.setenv("KVFLOW_LINEAR", "torch")
+    runner = _runner("llama")                           # loaded with nothing packed or fused
+    monkeypatch.delenv("KVFLOW_LINEAR")
+    module = runner._base.layers[0]
+    norm = module.input_layernorm
+
+    class OnePlusWeight(type(norm)):
+        def forward(self, x):
+            return F.rms_norm(x, (x.shape[-1],), None, self.variance_epsilon) * (1.0 + self.weight)
+
+    norm.__class__ = OnePlusWeight
+    assert layer.fuse(module, runner._base.rotary_emb, runner._cache_kw) is module
+    for part in (norm, module.post_attention_layernorm, module.self_attn.k_proj, module.self_attn.q_proj):
+        assert "forward" not in vars(part)
 
 
 def test_no_fusion_on_f_linear_or_under_the_memory_guard(monkeypatch):
