@@ -189,9 +189,5 @@ def questions(user: int, rounds: int, seed: int = 0) -> list[str]:
 def long_document(tokenizer, n: int) -> list[int]:
     """``n`` token ids of human text: the conversations' reference documents, one after another, repeated (a long
     context for checks on a real model; ``tokenizer.encode`` gives ids)."""
-    text = "\n\n".join(c.document for c in CONVERSATIONS)
-    ids: list[int] = []
-    while len(ids) < n:
-        ids += tokenizer.encode(text + "\n\n")
-    return ids[:n]
-
+    once = tokenizer.encode("\n\n".join(c.document for c in CONVERSATIONS) + "\n\n")
+    return (once * -(-n // len(once)))[:n]
