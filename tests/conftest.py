@@ -24,13 +24,13 @@ def max_abs_diff_kv(kv_a, kv_b, window_ok: bool = False) -> float:
 
 def small_runner(model_type: str, layers: int = 4, **extra):
     """A random-weight ModelRunner of transformers' ``model_type`` at a small shape (hidden 128, 4 query / 2 KV
-    heads), seeded: for tests across model families."""
+    heads; ``extra`` overrides any of it), seeded: for tests across model families."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvflow.model import ModelRunner
-    config = AutoConfig.for_model(model_type, vocab_size=512, hidden_size=128, intermediate_size=256,
-                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=4096, **extra)
+    shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    config = AutoConfig.for_model(model_type, **{**shape, **extra})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return ModelRunner(AutoModelForCausalLM.from_config(config), f"test-{model_type}")

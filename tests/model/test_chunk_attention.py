@@ -1,6 +1,6 @@
 """The native chunk attention op (model/chunk_attention.py) gives SDPA's result over each chunk's own keys — causal
 from its start, GQA, windows, several chunks of a step at once read in place from scattered blocks, keys in strided
-tensors — refuses what it cannot read, is what an engine's and a runner's chunks go through (no K/V gathered, tokens
+tensors — gives a query the same bits whatever chunk it comes in, refuses what it cannot read, is what an engine's and a runner's chunks go through (no K/V gathered, tokens
 equal ``generate``), and has a switch."""
 
 import pytest
@@ -63,6 +63,28 @@ def test_every_chunk_of_a_step_gets_sdpa_over_its_own_keys(hq, kvh, d, window):
         assert (one - want).abs().max().item() <= 2e-5
 
 
+@pytest.mark.parametrize("window", [0, 300])
+def test_a_querys_result_is_the_same_bits_whatever_chunk_it_comes_in(window):
+    """Tiles at fixed key positions, rows that never mix: a prompt attended whole, in chunks of any size, or as one
+    of a step's chunks read from scattered blocks gives every query the same bits (what makes chunked, restored and
+    served prefills equal the full prefill exactly)."""
+    n, hq, kvh, d = 1100, 6, 2, 64
+    g = torch.Generator().manual_seed(window)
+    q, k, v = torch.randn(n, hq, d, generator=g) * 2, torch.randn(n, kvh, d, generator=g) * 2, \
+        torch.randn(n, kvh, d, generator=g)
+    whole = torch.ops.kvflow.chunk_attention(q, k, v, 0, 0.125, window)
+    for cuts in ([0, 1, 17, 300, 301, 1099, 1100], [0, 129, 640, 1100], [0, 1024, 1100]):
+        for a, b in zip(cuts, cuts[1:]):
+            assert torch.equal(torch.ops.kvflow.chunk_attention(q[a:b].contiguous(), k[:b], v[:b], a, 0.125, window),
+                               whole[a:b])
+    kv, tables, _ = _paged([(0, n)], kvh, d, seed=5)          # the same keys scattered over a cache's blocks
+    slots = (tables[0].view(-1, 1) * 16 + torch.arange(16)).view(-1)[:n]
+    kv[0, slots], kv[1, slots] = k, v
+    got = chunk_attention.paged(torch.cat([q[:300], q[300:]]), kv, torch.cat([tables, tables]),
+                                torch.tensor([0, 300]), torch.tensor([0, 300, n]), 16, 0.125, window or None)
+    assert torch.equal(got, whole)
+
+
 def test_long_chunks_take_the_long_work_items_and_agree_too():
     chunks = [(4500, 200)]                      # more than 4,096 keys: 128 query positions an item
     kv, tables, dense = _paged(chunks, 2, 64, seed=3)
@@ -84,8 +106,8 @@ def test_the_op_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.kvflow.chunk_attention(torch.randn(3, 2, 36), torch.randn(3, 1, 36), torch.randn(3, 1, 36), 0,
                                          0.2, 0)
-    assert not chunk_attention.fits(10, 36) and not chunk_attention.fits(chunk_attention.MAX_KEYS + 1, 64)
-    assert not chunk_attention.fits(10, 64, torch.zeros(1, dtype=torch.bfloat16))
+    assert not chunk_attention.fits(36) and chunk_attention.fits(64, torch.zeros(1))
+    assert not chunk_attention.fits(64, torch.zeros(1, dtype=torch.bfloat16))
 
 
 def test_an_engines_chunks_are_read_in_place_and_its_tokens_equal_generate(tiny, monkeypatch):

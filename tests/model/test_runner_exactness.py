@@ -145,9 +145,10 @@ def test_a_continuing_chunk_attends_without_a_mask_except_under_a_window(familie
         assert calls == want, family
 
 
-def test_with_the_native_op_every_chunk_of_a_windowless_layer_goes_native(families, monkeypatch):
+def test_with_the_native_op_every_chunk_and_the_full_prefill_go_native_and_agree_bit_for_bit(families, monkeypatch):
     """The native chunk op (model/chunk_attention.py) takes every chunk of a windowless layer — from position 0, on
-    a prefix, a single query — and sliding-window layers keep SDPA; the logits are the full prefill's."""
+    a prefix, a single query — and the full prefill too (no mask: model/attention.py), so chunked and full give the
+    same KV and logits bit for bit; sliding-window layers, whose full prefill has a mask, keep SDPA."""
     from kvflow.model import attention, chunk_attention
     if not chunk_attention.available():
         pytest.skip("the native chunk op is not built here")
@@ -155,8 +156,41 @@ def test_with_the_native_op_every_chunk_of_a_windowless_layer_goes_native(famili
     monkeypatch.setattr(chunk_attention, "dense", lambda q, k, v, start, *a: calls.append(start) or
                         real(q, k, v, start, *a))
     monkeypatch.setattr(attention, "prefix_plus_diagonal", None)        # never reached
-    for family, want in (("llama", [0] * 4 + [40] * 4 + [60] * 4), ("mistral-sliding", [])):
+    for family, want in (("llama", [0] * 4 + [40] * 4 + [60] * 4 + [0] * 4), ("mistral-sliding", [])):
         runner, ids = families[family], _ids(61, 7)
         calls.clear()
         _three_chunks_exact(runner, ids)
         assert calls == want, family
+
+
+PACKED = dict(layers=2, hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def packed_families():
+    """Shapes whose every projection is packed for oneDNN (model/linear.py: 512 x 512 and up), as a real model's."""
+    return {family: small_runner(family, **PACKED) for family in ("llama", "qwen2")}
+
+
+@SETTINGS
+@given(sizes=st.lists(st.integers(1, 100), min_size=1, max_size=4), family=st.sampled_from(["llama", "qwen2"]))
+def test_with_the_native_op_any_chunking_gives_the_full_prefills_bits(packed_families, sizes, family):
+    """A query's attention does not depend on the chunk it comes in (csrc/chunk_attention.cpp), the layers compute
+    alike on every path (model/layer.py) and a packed projection gives a row the same bits whatever shares its call
+    (model/linear.py): chunks of any sizes, lone tokens included, give the full prefill's KV and logits exactly.
+    (The small shapes above keep MKL's F.linear and torch's SiLU, whose rows of a short or odd-sized call can round
+    differently: those agree within the bound, not bit for bit.)"""
+    from kvflow.model import chunk_attention, linear
+    if not (chunk_attention.available() and linear.available() and linear.mode() == "onednn"):
+        pytest.skip("the native chunk op or oneDNN is not here")
+    runner = packed_families[family]
+    assert runner.fused_layers == runner.num_layers
+    n = sum(sizes)
+    ids = _ids(n, n + 1)
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    cache = runner.new_cache(n)
+    for a, b in zip(bounds, bounds[1:]):
+        hidden = runner.prefill_range(cache, ids[a:b], a)
+    ref_kv, ref_logits = runner.reference_prefill(ids)
+    assert all(torch.equal(k, rk) and torch.equal(v, rv) for (k, v), (rk, rv) in zip(cache.layer_kv(n), ref_kv))
+    assert torch.equal(runner.logits(hidden), ref_logits)

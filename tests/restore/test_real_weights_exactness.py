@@ -1,6 +1,7 @@
 """On a real, trained model (SmolLM2-135M-Instruct: 30 layers, tied embeddings, rope theta 1e5) and human text,
 every restoration strategy yields the KV and next-token logits of one fresh full prefill (fp32 <= 1e-4, same
-argmax) — with plans that really split the context between recompute and load."""
+argmax; bit for bit on the host, where every path computes as the full prefill: docs/DESIGN.md, "Exactness") —
+with plans that really split the context between recompute and load."""
 
 import pytest
 import torch
@@ -13,6 +14,12 @@ from tests.texts import DECLARATION
 
 TOL = 1e-4
 WHOLE = ("recompute", "load", "load-layerwise")      # the baselines that recompute or load everything by definition
+
+
+def _bound() -> float:
+    """0 where the native chunk op and packed oneDNN run (every path gives the full prefill's bits), else TOL."""
+    from kvflow.model import chunk_attention, linear
+    return 0.0 if chunk_attention.available() and linear.available() and linear.mode() == "onednn" else TOL
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +44,7 @@ def test_every_strategy_on_real_weights_equals_full_prefill(smollm2, request_ids
     for strategy in STRATEGIES:
         out = restorer.restore(context, query, strategy)
         kv_diff, logit_diff = max_abs_diff_kv(out.kv, ref_kv), (out.logits - ref_logits).abs().max().item()
-        assert kv_diff <= TOL and logit_diff <= TOL, (strategy, kv_diff, logit_diff)
+        assert kv_diff <= _bound() and logit_diff <= _bound(), (strategy, kv_diff, logit_diff)
         assert out.logits.argmax() == ref_logits.argmax(), strategy
         assert out.plan.num_chunks == n and not out.fallback_chunks
         if strategy not in WHOLE:
@@ -46,12 +53,14 @@ def test_every_strategy_on_real_weights_equals_full_prefill(smollm2, request_ids
 
 
 def test_a_2k_token_context_in_engine_steps_and_restored_equals_full_prefill(smollm2, smollm2_tokenizer):
-    """Past 1,024 keys a chunk takes torch's flash path (prefix + diagonal, model/attention.py), not the native op
-    the 300-token tests above use: 2,048 tokens of human text in engine steps of 512, and restored from chunks of
-    256 (recompute and cacheflow), give the full prefill's KV and logits on all 30 layers."""
+    """2,048 tokens of human text in engine steps of 512, and restored from chunks of 256 with a 32-token query
+    (recompute and cacheflow), give the full prefill's KV and logits on all 30 layers — bit for bit on the host,
+    where every chunk and the full prefill attend through the same native op (model/attention.py), else within the
+    bound."""
     from kvflow.demo.texts import long_document
     from kvflow.engine.model_runner import BatchRunner, StepItem
     from kvflow.engine.paged_cache import PagedKVCache
+    tol = _bound()
     ids = long_document(smollm2_tokenizer, 2048)
     ref_kv, ref_logits = smollm2.reference_prefill(torch.tensor(ids))
     cache = PagedKVCache(smollm2.num_layers, 130, 16, smollm2.kv_heads, smollm2.head_dim)
@@ -61,7 +70,7 @@ def test_a_2k_token_context_in_engine_steps_and_restored_equals_full_prefill(smo
     logits = out[0]
     kv = [(cache.kv[i, 0, :2048].transpose(0, 1).unsqueeze(0), cache.kv[i, 1, :2048].transpose(0, 1).unsqueeze(0))
           for i in range(smollm2.num_layers)]
-    assert max_abs_diff_kv(kv, ref_kv) <= TOL and (logits - ref_logits).abs().max().item() <= TOL
+    assert max_abs_diff_kv(kv, ref_kv) <= tol and (logits - ref_logits).abs().max().item() <= tol
     assert logits.argmax() == ref_logits.argmax()
     pool = KVPool.memory("256M", chunk_tokens=256)
     restorer = Restorer(smollm2, pool, cost=synthetic_cost(smollm2), calibrate=False)
@@ -70,5 +79,5 @@ def test_a_2k_token_context_in_engine_steps_and_restored_equals_full_prefill(smo
     pool.set_throttle(restorer.cost.short_context_rate(256))
     for strategy in ("recompute", "cacheflow"):
         out = restorer.restore(context, query, strategy)
-        assert max_abs_diff_kv(out.kv, ref_kv) <= TOL and (out.logits - ref_logits).abs().max().item() <= TOL
+        assert max_abs_diff_kv(out.kv, ref_kv) <= tol and (out.logits - ref_logits).abs().max().item() <= tol
         assert out.logits.argmax() == ref_logits.argmax(), strategy

@@ -12,11 +12,17 @@
 //
 // Flash attention, GQA-aware: a work item is a block of up to kRows query positions of one chunk and one KV head,
 // and that KV head's G query heads are its rows (G x kRows of them), so each key's K and V are read once for all of
-// them. Keys go in tiles of kTile: K's tile is packed transposed in strips of 16 keys ([D][16], in double) and the
-// scores of three rows x sixteen keys at a time are an outer-product kernel summed in double (a broadcast query value
-// times four vectors of keys, twelve accumulators; qk_strip says why double); each row keeps its running max and sum
-// (online softmax) and its output in a buffer, to which the tile's p . V adds six rows x sixteen dims at a time. Masked keys (past the query, or before its window) get p = 0.
-// The causal triangle is skipped a block of rows at a time: a block reads keys up to its last query only.
+// them. Keys go in tiles of kTile at fixed positions (tile i is keys [i * kTile, (i + 1) * kTile), whatever the
+// chunk): K's tile is packed transposed in strips of 16 keys ([D][16]) and the scores of six rows x sixteen keys at a
+// time are an outer-product kernel (a broadcast query value times two vectors of keys, twelve accumulators); each row
+// keeps its running max and sum (online softmax) and its output in a buffer, to which the tile's p . V adds six rows
+// x sixteen dims at a time. Masked keys (past the query, or before its window) get p = 0. The causal triangle is
+// skipped a block of rows at a time: a block reads keys up to its last query only.
+//
+// A query's result depends on its position and its keys only, never on the chunk it came in or the rows beside it:
+// its scores, max, sum and p . V run over the same tiles in the same order, and a masked key's p = 0 adds exactly
+// nothing. So a prompt attended in one call, in chunks of any size, or as one engine step among others gives the
+// same bits (kvflow/model/attention.py routes the full prefill here too: that is what makes restoration exact).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,45 +42,39 @@ constexpr int64_t kRows = 32;     // query positions of a work item (x G query h
 constexpr int64_t kLong = 128;    // ... and of one over more than kLongAt keys: each pass over K and V serves more rows
 constexpr int64_t kLongAt = 4096;
 constexpr int64_t kTile = 128;    // keys of a tile (a multiple of 16)
-constexpr int kQkRows = 3;        // rows of the scores' register block (16 keys: four double vectors a row)
+constexpr int kQkRows = 6;        // rows of the scores' register block (16 keys: two float vectors a row)
 constexpr int kPvRows = 6;        // rows of p . V's register block (16 dims: two float vectors a row)
 
-// s[r * kTile + j] = scale * q_r . K_j for rows [0, RB) and the strip's 16 keys j (q's rows and the strip in double,
-// the strip packed [D][16], zero past the tile's keys). The dot products are summed in double: a score's rounding
-// error becomes its probability's relative error. Summed in float (one chain over D, or chains of 16) this op's
-// result was as far from the exact one as torch's flash and independently of it, and on a real model's 30 layers the
-// KV it produced was 1.0-1.2e-4 from the full prefill's (torch's path: 7.3e-5), past the exactness bound; in double
-// 8.7e-5, its own error 7x below torch's (fp64 reference at |q|, |k| ~ 4, 332 keys: 1.5e-5 against 1.1e-4).
+// s[r * kTile + j] = scale * q_r . K_j for rows [0, RB) and the strip's 16 keys j (the strip packed [D][16], zero
+// past the tile's keys), each dot product one fused multiply-add chain over D in float.
 template <int RB>
-inline void qk_strip(const double* const* q, const double* ks, int64_t D, double scale, float* s) {
+inline void qk_strip(const float* const* q, const float* ks, int64_t D, float scale, float* s) {
 #ifdef KVFLOW_AVX2
-  __m256d a[RB][4];
-#pragma GCC unroll 3
-  for (int r = 0; r < RB; ++r)
-    for (int i = 0; i < 4; ++i) a[r][i] = _mm256_setzero_pd();
+  __m256 a[RB][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < RB; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
-    const double* kd = ks + d * 16;
-    const __m256d k0 = _mm256_loadu_pd(kd), k1 = _mm256_loadu_pd(kd + 4), k2 = _mm256_loadu_pd(kd + 8),
-                  k3 = _mm256_loadu_pd(kd + 12);
-#pragma GCC unroll 3
+    const float* kd = ks + d * 16;
+    const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8);
+#pragma GCC unroll 6
     for (int r = 0; r < RB; ++r) {
-      const __m256d b = _mm256_broadcast_sd(q[r] + d);
-      a[r][0] = _mm256_fmadd_pd(b, k0, a[r][0]);
-      a[r][1] = _mm256_fmadd_pd(b, k1, a[r][1]);
-      a[r][2] = _mm256_fmadd_pd(b, k2, a[r][2]);
-      a[r][3] = _mm256_fmadd_pd(b, k3, a[r][3]);
+      const __m256 b = _mm256_broadcast_ss(q[r] + d);
+      a[r][0] = _mm256_fmadd_ps(b, k0, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(b, k1, a[r][1]);
     }
   }
-  const __m256d sc = _mm256_set1_pd(scale);
-#pragma GCC unroll 3
-  for (int r = 0; r < RB; ++r)
-    for (int i = 0; i < 4; ++i) _mm_storeu_ps(s + r * kTile + 4 * i, _mm256_cvtpd_ps(_mm256_mul_pd(a[r][i], sc)));
+  const __m256 sc = _mm256_set1_ps(scale);
+#pragma GCC unroll 6
+  for (int r = 0; r < RB; ++r) {
+    _mm256_storeu_ps(s + r * kTile, _mm256_mul_ps(a[r][0], sc));
+    _mm256_storeu_ps(s + r * kTile + 8, _mm256_mul_ps(a[r][1], sc));
+  }
 #else
   for (int r = 0; r < RB; ++r)
     for (int64_t j = 0; j < 16; ++j) {
-      double acc = 0.0;
-      for (int64_t d = 0; d < D; ++d) acc += q[r][d] * ks[d * 16 + j];
-      s[r * kTile + j] = static_cast<float>(acc * scale);
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) acc = std::fma(q[r][d], ks[d * 16 + j], acc);
+      s[r * kTile + j] = acc * scale;
     }
 #endif
 }
@@ -132,9 +132,8 @@ struct Keys {
 };
 
 struct Scratch {
-  std::vector<float> vt, s, o, m, l;
-  std::vector<double> kt, qd;
-  std::vector<const double*> q;
+  std::vector<float> kt, vt, s, o, m, l;
+  std::vector<const float*> q;
 };
 
 // One work item: query positions [p0, p0 + rows) (their G heads' query rows at q + i * ldq + (h * G + g) * D, the
@@ -149,24 +148,18 @@ void item(const float* q, int64_t ldq, float* out, int64_t h, int64_t G, int64_t
   w.m.assign(R, -std::numeric_limits<float>::infinity());
   w.l.assign(R, 0.f);
   w.q.resize(R);
-  w.qd.resize(R * D);
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      const float* qr = q + i * ldq + (h * G + g) * D;
-      std::copy(qr, qr + D, w.qd.data() + r * D);          // in double for the scores
-      w.q[r] = w.qd.data() + r * D;
-    }
+    for (int64_t g = 0; g < G; ++g) w.q[i * G + g] = q + i * ldq + (h * G + g) * D;
   for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
     const int64_t tn = std::min(kTile, hi - t0), tn16 = (tn + 15) / 16 * 16;
     for (int64_t t = 0; t < tn16; ++t) {                   // K in strips of 16 keys [D][16], V's rows [t][D]
-      double* ks = w.kt.data() + (t / 16) * D * 16 + t % 16;
+      float* ks = w.kt.data() + (t / 16) * D * 16 + t % 16;
       if (t < tn) {
         const float* kr = keys.k[t0 + t - lo] + h * keys.hk;
         for (int64_t d = 0; d < D; ++d) ks[d * 16] = kr[d];
         std::memcpy(w.vt.data() + t * D, keys.v[t0 + t - lo] + h * keys.hv, D * sizeof(float));
       } else {
-        for (int64_t d = 0; d < D; ++d) ks[d * 16] = 0.0;
+        for (int64_t d = 0; d < D; ++d) ks[d * 16] = 0.f;
       }
     }
     for (int64_t j = 0; j < tn16; j += 16)                 // a strip's 4 KB stays in L1 over every row
@@ -236,7 +229,8 @@ void run(const std::vector<Work>& work, const at::Tensor& q, at::Tensor& out, in
     for (int64_t x = next++; x < size; x = next++) {
       const Work& it = work[x];
       const int64_t p0 = starts[it.chunk] + it.i0, hi = p0 + it.rows;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
+      // the first key any row may see, down to its tile's first: tiles stay at fixed positions (header)
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) / kTile * kTile : 0;
       keys_of(it.chunk, lo, hi, keys);
       const int64_t row = offsets[it.chunk] + it.i0;
       item(qp + row * ldq, ldq, op + row * ldq, it.h, G, D, p0, it.rows, lo, keys, static_cast<float>(scale), window,

@@ -26,11 +26,11 @@ arithmetic behind two calls' fixed costs; 32 of them per layer took 2.3 ms one b
 caches between the copy and the pass over it; larger groups measured no faster) and never more keys than the
 longest sequence the engine holds, whose one-layer K/V the activation reserve already counts (reserve.py).
 
-On the host every prefill chunk over at most chunk_attention.MAX_KEYS keys is attended in place too, all of the
-step's in one call of the native chunk op per layer (``PagedChunks``, model/chunk_attention.py: flash attention with
-a KV head's query heads as the rows of one block): nothing is gathered, no mask is built. The segments, groups and
-prefix + diagonal below serve longer chunks and the torch path (``$KVFLOW_CHUNK_ATTENTION=torch``, no native
-library, a head size the op does not take).
+On the host every prefill chunk is attended in place too, all of the step's in one call of the native chunk op per
+layer (``PagedChunks``, model/chunk_attention.py: flash attention with a KV head's query heads as the rows of one
+block): nothing is gathered, no mask is built, and each query gets the bits the full prefill gives it. The segments,
+groups and prefix + diagonal below serve the torch path (``$KVFLOW_CHUNK_ATTENTION=torch``, no native library, a head
+size the op does not take) and the GPU.
 
 Short chunks that continue their sequences (follow-ups on cached histories: start > 0, under VIEW_MIN_TOKENS keys,
 at most GROUP_CHUNK_ELEMENTS queries x keys) are attended together the same way (``SegmentGroup``): one

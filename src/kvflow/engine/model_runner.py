@@ -64,7 +64,7 @@ class BatchRunner:
         self._windows = [runner._sliding_window(i) for i in range(runner.num_layers)]
         # every decode read in place by the native op on the host (paged_decode.py), else short ones copied in groups
         self.native = cache.device.type == "cpu" and cache.kv.dtype == torch.float32 and paged_decode.available()
-        # every chunk over at most MAX_KEYS keys read in place by the native chunk op, else a segment of its own
+        # every chunk read in place by the native chunk op, else a segment of its own
         self.native_chunks = cache.device.type == "cpu" and cache.kv.dtype == torch.float32 and \
             cache.head_dim % 16 == 0 and chunk_attention.available()
 
@@ -76,8 +76,7 @@ class BatchRunner:
                         if in_a_group(len(it.token_ids), it.start + len(it.token_ids), self.native)),
                        key=lambda i: -items[i].start)           # attended in groups: the first rows, longest first
         grouped = set(short)
-        inplace = [i for i in range(len(items)) if i not in grouped and self.native_chunks
-                   and items[i].start + len(items[i].token_ids) <= chunk_attention.MAX_KEYS]   # after the decodes
+        inplace = [i for i in range(len(items)) if i not in grouped and self.native_chunks]   # after the decodes
         ids, qpos, write, segments, seg_tables, row = [], [], [], [], [], {}
         q0 = 0
         for i in short + inplace + [i for i in range(len(items)) if i not in grouped and i not in inplace]:

@@ -11,11 +11,16 @@ Every ModelRunner's model attends through :func:`attention` (registered with tra
 time cannot see each other's setting):
 
     kvflow_attend=fn   the caller's own attention for this call (the engine's packed step: engine/attention.py)
-    kvflow_start=s     a chunk at positions [s, s + n) of a windowless layer: on the host over at most
-                       chunk_attention.MAX_KEYS keys the native chunk op (model/chunk_attention.py), else the
-                       split below, when it applies (CPU, s > 0, n > 1)
-    neither            transformers' own ``sdpa`` with the same arguments — what anything else calling the model
-                       (``generate``, a reference prefill) gets
+    kvflow_start=s     a chunk at positions [s, s + n) of a windowless layer: on the host the native chunk op
+                       (model/chunk_attention.py), else the split below, when it applies (CPU, s > 0, n > 1)
+    neither            what anything else calling the model gets (``generate``, a reference prefill): on the host,
+                       a causal call with no mask (transformers builds none for a whole prompt or one query
+                       with no padding) goes to the same native chunk op; anything else to transformers' own
+                       ``sdpa`` with the same arguments
+
+The native op gives a query the same bits whatever chunk it comes in (csrc/chunk_attention.cpp), so routing the full
+prefill and ``generate`` through it makes every chunked, restored and served prefill equal to them bit for bit on
+the host (docs/DESIGN.md, "Exactness"); on a GPU, and with padding or a window's mask, they agree to rounding.
 """
 
 from __future__ import annotations
@@ -60,17 +65,38 @@ def prefix_plus_diagonal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, star
     return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype)     # merged in fp32 (the log-sum-exps'), returned in q's
 
 
+def whole_call_start(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                     dropout: float, kwargs: dict) -> int | None:
+    """Where a call without kvflow's keywords can go to the native op: the position of its first query, else None.
+    transformers leaves the mask out only for a causal call with no padding whose queries are the whole sequence or
+    one query over all the keys, and for a window's layer only while every key is inside the window (the sdpa
+    integration reads a missing mask so too); soft-capping, a position bias, sinks, dropout or a batch keep sdpa."""
+    if attention_mask is not None or dropout or query.shape[0] != 1 or not chunk_attention.fits(
+            query.shape[-1], query, key, value) or not chunk_attention.available():
+        return None
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)) or any(
+            kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux")):
+        return None
+    n, keys = query.shape[2], key.shape[2]
+    return keys - 1 if n == 1 else 0 if n <= keys else None
+
+
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
               kvflow_start: int | None = None, kvflow_attend=None, **kwargs):
     """transformers' attention signature (module docstring for the two keywords)."""
     if kvflow_attend is not None:
         return kvflow_attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if kvflow_start is not None and chunk_attention.fits(kvflow_start + query.shape[2], query.shape[-1], query, key,
-                                                         value) and chunk_attention.available():
-        return chunk_attention.dense(query, key, value, kvflow_start,
-                                     query.shape[-1] ** -0.5 if scaling is None else scaling, None), None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if kvflow_start is not None and chunk_attention.fits(query.shape[-1], query, key, value) and \
+            chunk_attention.available():
+        return chunk_attention.dense(query, key, value, kvflow_start, scale, None), None
     if kvflow_start is not None and splits_at_the_chunk(query, kvflow_start, query.shape[2], None):
         return prefix_plus_diagonal(query, key, value, kvflow_start, scaling).transpose(1, 2).contiguous(), None
+    start = None if kvflow_start is not None else whole_call_start(module, query, key, value, attention_mask, dropout,
+                                                                   kwargs)
+    if start is not None:
+        end = start + query.shape[2]            # a whole prompt over a longer (static) cache sees its own keys only
+        return chunk_attention.dense(query, key[:, :, :end], value[:, :, :end], start, scale, None), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 

@@ -103,7 +103,7 @@ class FusedLayer:
         ops = self.ops
         w2 = self.norm2.weight
         x = rms_norm(hidden_states, self.norm1.weight, self.eps1, ops)
-        qkv = linear.packed(x, self.qkv.of(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), self._bias())
+        qkv = self.qkv.apply(x, (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), self._bias())
         qkv = qkv.view(t, hq + 2 * hkv, d)
         cos, sin = position_embeddings                               # [1, T, D]
         if ops:                                                      # q's and k's heads rotated in place

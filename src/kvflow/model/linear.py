@@ -18,7 +18,8 @@ So weights of at least ``PACK_MIN_ELEMENTS`` are packed and always go through on
 path — an engine step, a restoration's chunk, ``generate`` — computes a given layer the same way: from two rows up a
 row's result does not depend on how many rows share the call (checked bit for bit against a batch of 512). A lone
 row through a weight whose input is long (1,536 and 8,192 here; 576 and 1,024 not) takes oneDNN's one-row path,
-which sums in another order: relative ~2e-6 from the same row in a batch, inside every exactness bound. Smaller
+which sums in another order (relative ~2e-6); such a weight gets its lone rows sent as two (``PackedWeight.apply``),
+so every row's result is the same bits whatever shares its call — a decode, a one-token chunk, a batch. Smaller
 weights stay on ``F.linear``. Results differ from ``F.linear`` by summation order only (relative ~1e-6). The dense
 weight stays where it was (the embedding shares the LM head's; state_dict and the fingerprint read it), so packing
 costs a second copy of the packed weights: skipped when that copy would take more than a quarter of the free memory.
@@ -77,15 +78,25 @@ def packed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return _LINEAR(x.contiguous(), weight, bias, "none", [], "")
 
 
+def lone_row_alike(weight: torch.Tensor, in_features: int) -> bool:
+    """Whether a lone row through this packed weight gets the bits it gets beside others (a probe, not a rule of
+    thumb: oneDNN's one-row path depends on the shape and the CPU)."""
+    x = torch.randn(4, in_features, generator=torch.Generator().manual_seed(0))
+    return torch.equal(packed(x[:1], weight, None), packed(x, weight, None)[:1])
+
+
 class PackedWeight:
     """One or more weights stacked by rows and reordered for oneDNN (``reorder=False``: only stacked, e.g. biases),
     remade whenever any of them changed (its version counter: an in-place write, ``load_state_dict``) or was replaced
-    (identity, storage)."""
+    (identity, storage). ``apply`` sends a lone row as two where the weight's one-row path sums in another order
+    (``lone_row_alike``): the row then gets the bits it gets in any batch, at no measured cost (576 x 1536: 53 us
+    one row, 54 us two)."""
 
     def __init__(self, reorder: bool = True) -> None:
         self.weight: torch.Tensor | None = None
         self.source: tuple | None = None
         self.reorder = reorder
+        self.pad_lone = False
 
     def of(self, *weights: torch.Tensor) -> torch.Tensor:
         source = tuple((id(w), w.data_ptr(), w._version) for w in weights)
@@ -93,7 +104,16 @@ class PackedWeight:
             stacked = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
             self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, ROW_HINT) if self.reorder else stacked
             self.source = source
+            self.pad_lone = self.reorder and not lone_row_alike(self.weight, stacked.shape[1])
         return self.weight
+
+    def apply(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ [weights stacked].T + bias through oneDNN."""
+        weight = self.of(*weights)
+        if self.pad_lone and x.numel() == x.shape[-1]:
+            two = packed(x.reshape(1, -1).expand(2, -1), weight, bias)
+            return two[:1].view(*x.shape[:-1], two.shape[-1])
+        return packed(x, weight, bias)
 
 
 class PackedLinear:
@@ -108,7 +128,7 @@ class PackedLinear:
         w, bias = self.linear.weight, self.linear.bias
         if not host_fp32(w, x):
             return F.linear(x, w, bias)
-        return packed(x, self.packed.of(w), None if bias is None else bias.detach())
+        return self.packed.apply(x, (w,), None if bias is None else bias.detach())
 
     def __deepcopy__(self, memo):
         return PackedLinear(copy.deepcopy(self.linear, memo))
@@ -128,7 +148,7 @@ class PackedGatedMLP:
         gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
         if not host_fp32(gate, up, x):
             return type(mlp).forward(mlp, x)
-        gu = packed(x, self.packed.of(gate, up), None)
+        gu = self.packed.apply(x, (gate, up), None)
         if self.silu_mul:
             return mlp.down_proj(torch.ops.kvflow.silu_mul(gu))
         g, u = gu.split(gate.shape[0], dim=-1)

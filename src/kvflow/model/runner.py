@@ -229,7 +229,7 @@ class ModelRunner:
         assert 0 <= l0 <= l1 <= self.num_layers and end <= cache.capacity, (layers, start, end, cache.capacity)
         # windowless layers: no mask — the native chunk op, else prefix + diagonal (attention.py)
         split = splits_at_the_chunk(hidden, start, end - start, None) or (
-            chunk_attention.fits(end, self.head_dim, hidden) and chunk_attention.available())
+            chunk_attention.fits(self.head_dim, hidden) and chunk_attention.available())
         with torch.inference_mode():
             position_ids = torch.arange(start, end, device=self.device).view(1, -1)
             position_embeddings = self._base.rotary_emb(hidden, position_ids)
