@@ -73,7 +73,7 @@ inline void qk_strip(const float* const* q, const float* ks, int64_t D, float sc
   for (int r = 0; r < RB; ++r)
     for (int64_t j = 0; j < 16; ++j) {
       float acc = 0.f;
-      for (int64_t d = 0; d < D; ++d) acc = std::fma(q[r][d], ks[d * 16 + j], acc);
+      for (int64_t d = 0; d < D; ++d) acc += q[r][d] * ks[d * 16 + j];
       s[r * kTile + j] = acc * scale;
     }
 #endif
