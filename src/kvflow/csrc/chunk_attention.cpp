@@ -156,6 +156,17 @@ void item(const float* q, int64_t ldq, float* out, int64_t h, int64_t G, int64_t
       float* ks = w.kt.data() + (t / 16) * D * 16 + t % 16;
       if (t < tn) {
         const float* kr = keys.k[t0 + t - lo] + h * keys.hk;
+#ifdef KVFLOW_AVX2
+        if (t % 8 == 0 && t + 8 <= tn) {                   // eight keys at once: 8 x 8 blocks transposed in registers
+          const float* rows8[8];
+          for (int i = 0; i < 8; ++i) rows8[i] = keys.k[t0 + t + i - lo] + h * keys.hk;
+          for (int64_t d = 0; d < D; d += 8) kvflow::transpose8(rows8, d, ks + d * 16, 16);
+          for (int i = 0; i < 8; ++i)
+            std::memcpy(w.vt.data() + (t + i) * D, keys.v[t0 + t + i - lo] + h * keys.hv, D * sizeof(float));
+          t += 7;
+          continue;
+        }
+#endif
         for (int64_t d = 0; d < D; ++d) ks[d * 16] = kr[d];
         std::memcpy(w.vt.data() + t * D, keys.v[t0 + t - lo] + h * keys.hv, D * sizeof(float));
       } else {
