@@ -36,6 +36,20 @@ def test_large_layers_are_packed_and_agree_with_f_linear_while_small_ones_stay()
     assert torch.equal(big.weight, reference) and set(model.state_dict()) == {"0.weight", "0.bias", "1.weight"}
 
 
+@pytest.mark.parametrize("in_features", [576, 1536, 8192])
+def test_a_lone_row_gets_the_bits_it_gets_in_a_batch_whatever_the_weights_input(in_features):
+    """oneDNN's one-row path sums a long input (1,536 here) in another order; where the probe at packing finds so,
+    a lone row is sent as two (PackedWeight.apply), so a decode, a one-token chunk and a batch give a row its bits."""
+    torch.manual_seed(in_features)
+    layer = torch.nn.Linear(in_features, 576, bias=False)
+    pack_linears(torch.nn.Sequential(layer), free_bytes=None)
+    rows = torch.randn(64, in_features)
+    with torch.inference_mode():
+        batch = layer(rows)
+        assert all(torch.equal(layer(rows[i:i + 1]), batch[i:i + 1]) for i in (0, 5, 63))
+        assert torch.equal(layer(rows[None, 5:6]), batch[None, 5:6])             # [1, 1, in]: one token
+
+
 def test_the_switch_the_memory_guard_and_a_bad_value(monkeypatch):
     monkeypatch.setenv("KVFLOW_LINEAR", "torch")
     assert pack_linears(layers(), free_bytes=None) == 0
