@@ -11,14 +11,14 @@ docs/bench/chunk_attention_ab.json``; the effect on served requests is in docs/E
 step"):
 
     queries x keys          torch (flash / prefix + diagonal)    native      native / torch (spread)
-    44 on 288 cached                0.43 ms                       0.26 ms     0.60 (0.60-0.61)
-    64, from 0                      0.09 ms                       0.07 ms     0.76
-    128, from 0                     0.29 ms                       0.18 ms     0.60 (0.60-0.61)
-    332, from 0                     1.91 ms                       0.93 ms     0.49 (0.48-0.49)
-    512, from 0                     3.97 ms                       2.09 ms     0.53 (0.52-0.53)
-    1,024, from 0                  11.6 ms                        8.22 ms     0.71 (0.70-0.72)
-    512 on 4,096 cached            35.1 ms                       31.9 ms      0.91 (0.91-0.94)
-    512 on 7,680 cached            61.8 ms                       60.7 ms      0.97 (0.96-0.98)
+    44 on 288 cached                0.40 ms                       0.25 ms     0.62 (0.61-0.62)
+    64, from 0                      0.09 ms                       0.07 ms     0.75 (0.75-0.76)
+    128, from 0                     0.29 ms                       0.17 ms     0.58
+    332, from 0                     1.91 ms                       0.90 ms     0.47
+    512, from 0                     3.93 ms                       1.99 ms     0.51 (0.50-0.51)
+    1,024, from 0                  11.4 ms                        7.63 ms     0.67 (0.67-0.68)
+    512 on 4,096 cached            34.9 ms                       30.5 ms      0.87 (0.85-0.87)
+    512 on 7,680 cached            60.1 ms                       54.9 ms      0.92 (0.91-0.92)
 
 So every chunk goes native, and so does every call of the model without kvflow's keywords that has no mask — a whole
 prompt, ``generate``'s decodes (model/attention.py). The op gives a query the same bits whatever chunk it comes in
