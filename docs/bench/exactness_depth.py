@@ -2,7 +2,7 @@
 full prefill itself is from other ways of computing it — the room the exactness bound (KV max |diff| <= 1e-4) leaves
 at depth and length (docs/DESIGN.md, "Exactness").
 
-    .venv/bin/python docs/bench/exactness_depth.py [--lengths 2048,8192] [--texts 0,1,human] [--out exactness_depth.json]
+    PYTHONPATH=. .venv/bin/python docs/bench/exactness_depth.py [--lengths 2048,8192] [--texts 0,1,human] [--out exactness_depth.json]
 
 Per length and text, cut to the length in smollm2's own tokens: a number is a seed of random words (the matrix's
 workload text, kvflow/demo/chat.py's ``_text``); ``human`` the demo's written reference documents, repeated
