@@ -152,26 +152,26 @@ void item(const float* q, int64_t ldq, float* out, int64_t h, int64_t G, int64_t
     for (int64_t g = 0; g < G; ++g) w.q[i * G + g] = q + i * ldq + (h * G + g) * D;
   for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
     const int64_t tn = std::min(kTile, hi - t0), tn16 = (tn + 15) / 16 * 16;
-    for (int64_t t = 0; t < tn16; ++t) {                   // K in strips of 16 keys [D][16], V's rows [t][D]
+    for (int64_t t = 0; t < tn16;) {                       // K in strips of 16 keys [D][16], V's rows [t][D]
       float* ks = w.kt.data() + (t / 16) * D * 16 + t % 16;
+      int64_t step = 1;
+#ifdef KVFLOW_AVX2
+      if (t % 8 == 0 && t + 8 <= tn) {                     // eight keys at once: 8 x 8 blocks transposed in registers
+        const float* rows8[8];
+        for (int i = 0; i < 8; ++i) rows8[i] = keys.k[t0 + t + i - lo] + h * keys.hk;
+        for (int64_t d = 0; d < D; d += 8) kvflow::transpose8(rows8, d, ks + d * 16, 16);
+        step = 8;
+      } else
+#endif
       if (t < tn) {
         const float* kr = keys.k[t0 + t - lo] + h * keys.hk;
-#ifdef KVFLOW_AVX2
-        if (t % 8 == 0 && t + 8 <= tn) {                   // eight keys at once: 8 x 8 blocks transposed in registers
-          const float* rows8[8];
-          for (int i = 0; i < 8; ++i) rows8[i] = keys.k[t0 + t + i - lo] + h * keys.hk;
-          for (int64_t d = 0; d < D; d += 8) kvflow::transpose8(rows8, d, ks + d * 16, 16);
-          for (int i = 0; i < 8; ++i)
-            std::memcpy(w.vt.data() + (t + i) * D, keys.v[t0 + t + i - lo] + h * keys.hv, D * sizeof(float));
-          t += 7;
-          continue;
-        }
-#endif
         for (int64_t d = 0; d < D; ++d) ks[d * 16] = kr[d];
-        std::memcpy(w.vt.data() + t * D, keys.v[t0 + t - lo] + h * keys.hv, D * sizeof(float));
       } else {
         for (int64_t d = 0; d < D; ++d) ks[d * 16] = 0.f;
       }
+      for (int64_t i = t; i < std::min(t + step, tn); ++i)
+        std::memcpy(w.vt.data() + i * D, keys.v[t0 + i - lo] + h * keys.hv, D * sizeof(float));
+      t += step;
     }
     for (int64_t j = 0; j < tn16; j += 16)                 // a strip's 4 KB stays in L1 over every row
       by_blocks<kQkRows>(R, [&](int64_t r0, auto rb) {
