@@ -30,14 +30,13 @@ against — still runs the module, so the exactness tests compare one against th
 layer does (``compute_alike``): its two norms through the same rms_norm op, q, k and v through packed oneDNN (a
 row's result is the same bit for bit whether the weights are stacked or apart), and the native rotation rounds as
 transformers' formula does. The module and the fused layer then give the same output and K/V bit for bit on the
-same attention, so a chunked or restored prefill differs from the full one only by the attention's summation
-order. The module is aligned only after the probe has compared the fused layer with its own forward as loaded, so
-a norm that only looks like Llama's (another formula behind the same attributes) fails the probe and is never
-replaced. Before, each path rounded its norms, rotation and k/v projections its own way, and over 30 layers the
-ulp-sized differences compounded: on smollm2-135m at 8,192 tokens the engine's KV landed 5.5-9.4e-5 from the full
-prefill's over four random-word texts (the bound is 1e-4); aligned, 4.6-5.9e-5, what chunked attention itself
-leaves. docs/DESIGN.md ("Exactness") has the rest: human text, where that still passes the bound at 4K tokens, and
-the fp32 full prefill's own distance from an fp64 one.
+same attention; with the full prefill attending through the native chunk op too (model/attention.py), a chunked,
+restored or served prefill gives the full one's KV bit for bit on the host. The module is aligned only after the
+probe has compared the fused layer with its own forward as loaded, so a norm that only looks like Llama's (another
+formula behind the same attributes) fails the probe and is never replaced. Before, each path rounded its norms,
+rotation and k/v projections its own way, and over 30 layers the ulp-sized differences compounded: on smollm2-135m
+at 8,192 tokens the engine's KV landed 5.5-9.4e-5 from the full prefill's over four random-word texts (the bound is
+1e-4). docs/DESIGN.md ("Exactness") has the measurements and the fp32 full prefill's own distance from an fp64 one.
 """
 
 from __future__ import annotations
