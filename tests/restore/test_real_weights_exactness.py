@@ -16,10 +16,9 @@ TOL = 1e-4
 WHOLE = ("recompute", "load", "load-layerwise")      # the baselines that recompute or load everything by definition
 
 
-def _bound() -> float:
-    """0 where the native chunk op and packed oneDNN run (every path gives the full prefill's bits), else TOL."""
-    from kvflow.model import chunk_attention, linear
-    return 0.0 if chunk_attention.available() and linear.available() and linear.mode() == "onednn" else TOL
+def _bound(runner) -> float:
+    """0 where every path gives ``runner`` the full prefill's bits (``ModelRunner.bit_for_bit``), else TOL."""
+    return 0.0 if runner.bit_for_bit else TOL
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +43,7 @@ def test_every_strategy_on_real_weights_equals_full_prefill(smollm2, request_ids
     for strategy in STRATEGIES:
         out = restorer.restore(context, query, strategy)
         kv_diff, logit_diff = max_abs_diff_kv(out.kv, ref_kv), (out.logits - ref_logits).abs().max().item()
-        assert kv_diff <= _bound() and logit_diff <= _bound(), (strategy, kv_diff, logit_diff)
+        assert kv_diff <= _bound(smollm2) and logit_diff <= _bound(smollm2), (strategy, kv_diff, logit_diff)
         assert out.logits.argmax() == ref_logits.argmax(), strategy
         assert out.plan.num_chunks == n and not out.fallback_chunks
         if strategy not in WHOLE:
@@ -60,7 +59,7 @@ def test_a_2k_token_context_in_engine_steps_and_restored_equals_full_prefill(smo
     from kvflow.demo.texts import long_document
     from kvflow.engine.model_runner import BatchRunner, StepItem
     from kvflow.engine.paged_cache import PagedKVCache
-    tol = _bound()
+    tol = _bound(smollm2)
     ids = long_document(smollm2_tokenizer, 2048)
     ref_kv, ref_logits = smollm2.reference_prefill(torch.tensor(ids))
     cache = PagedKVCache(smollm2.num_layers, 130, 16, smollm2.kv_heads, smollm2.head_dim)

@@ -183,6 +183,16 @@ class ModelRunner:
         return h.hexdigest()
 
     @property
+    def bit_for_bit(self) -> bool:
+        """Whether every prefill path (any chunking, engine steps, restoration) gives this model the full prefill's
+        bits here, not only agreement within the exactness bound (docs/DESIGN.md, "Exactness"): fp32 on the host,
+        the native chunk op on for its head size, every decoder layer fused on packed oneDNN projections, and no
+        sliding window."""
+        return (self.device.type == "cpu" and self.dtype == torch.float32 and chunk_attention.available()
+                and chunk_attention.fits(self.head_dim) and self.fused_layers == self.num_layers
+                and not any(self._windows))
+
+    @property
     def max_positions(self) -> int | None:
         return getattr(self.config, "max_position_embeddings", None)
 
