@@ -172,6 +172,16 @@ def packed_families():
     return {family: small_runner(family, **PACKED) for family in ("llama", "qwen2")}
 
 
+def test_a_model_claims_bit_for_bit_only_where_every_projection_is_packed_and_no_window_slides(packed_families):
+    """``ModelRunner.bit_for_bit`` (what the tests' bound reads): the packed shapes, yes where the native op and
+    oneDNN are here; projections too small to pack (F.linear) or a sliding window, no."""
+    from kvflow.model import chunk_attention, linear
+    here = chunk_attention.available() and linear.available() and linear.mode() == "onednn"
+    assert all(r.bit_for_bit == here for r in packed_families.values())
+    assert not small_runner("llama", layers=2).bit_for_bit                 # hidden 128: nothing packs
+    assert not small_runner("mistral", **PACKED, sliding_window=48).bit_for_bit
+
+
 @SETTINGS
 @given(sizes=st.lists(st.integers(1, 100), min_size=1, max_size=4), family=st.sampled_from(["llama", "qwen2"]))
 def test_with_the_native_op_any_chunking_gives_the_full_prefills_bits(packed_families, sizes, family):

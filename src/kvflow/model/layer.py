@@ -81,6 +81,14 @@ class FusedLayer:
         # the elementwise parts as native ops (native.py) where the library is built, else torch's
         self.ops = torch.ops.kvflow if native.loaded() and self._contiguous_weights() else None
 
+    @property
+    def row_alike(self) -> bool:
+        """Whether a row gets the same bits whatever shares its call: the elementwise parts native, q|k|v stacked
+        and every other projection on packed oneDNN (a projection too small to pack keeps F.linear, whose rows of a
+        short or odd-sized call can round differently)."""
+        a = self.attn
+        return self.ops is not None and linear.all_packed(self.layer, skip=(a.q_proj, a.k_proj, a.v_proj))
+
     def _contiguous_weights(self) -> bool:
         return self.norm1.weight.is_contiguous() and self.norm2.weight.is_contiguous()
 

@@ -186,6 +186,17 @@ def _fuse_gated_mlp(m: torch.nn.Module) -> bool:
     return True
 
 
+def all_packed(module: torch.nn.Module, skip=()) -> bool:
+    """Whether every ``nn.Linear`` under ``module`` but ``skip`` goes through packed oneDNN: its own PackedLinear, or
+    a packed gated MLP's forward (gate and up as one)."""
+    skipped = {id(m) for m in skip}
+    for m in module.modules():
+        if isinstance(m.__dict__.get("forward"), PackedGatedMLP):
+            skipped |= {id(m.gate_proj), id(m.up_proj)}
+    return all(isinstance(m.__dict__.get("forward"), PackedLinear) for m in module.modules()
+               if isinstance(m, torch.nn.Linear) and id(m) not in skipped)
+
+
 def pack_linears(model: torch.nn.Module, free_bytes: int | None) -> int:
     """Route ``model``'s fp32 host ``nn.Linear`` layers of at least PACK_MIN_ELEMENTS weights through packed
     oneDNN (the module docstring says why and when not); returns the bytes packed (0: none)."""

@@ -34,7 +34,7 @@ from kvflow.model.device import default_dtype
 from kvflow.model.device import resolve as resolve_device
 from kvflow.model.dtypes import parse_dtype
 from kvflow.model.host_memory import keep_freed_memory
-from kvflow.model.layer import fuse_layers
+from kvflow.model.layer import FusedLayer, fuse_layers
 from kvflow.model.linear import pack_linears
 from kvflow.model.presets import PRESETS, build_config, parse_name
 from kvflow.model.shape import ModelShape
@@ -186,11 +186,11 @@ class ModelRunner:
     def bit_for_bit(self) -> bool:
         """Whether every prefill path (any chunking, engine steps, restoration) gives this model the full prefill's
         bits here, not only agreement within the exactness bound (docs/DESIGN.md, "Exactness"): fp32 on the host,
-        the native chunk op on for its head size, every decoder layer fused on packed oneDNN projections, and no
-        sliding window."""
+        the native chunk op on for its head size, every decoder layer fused with its rows computed alike
+        (``FusedLayer.row_alike``: packed oneDNN projections, native elementwise ops), and no sliding window."""
         return (self.device.type == "cpu" and self.dtype == torch.float32 and chunk_attention.available()
-                and chunk_attention.fits(self.head_dim) and self.fused_layers == self.num_layers
-                and not any(self._windows))
+                and chunk_attention.fits(self.head_dim) and not any(self._windows)
+                and all(isinstance(layer, FusedLayer) and layer.row_alike for layer in self.layers))
 
     @property
     def max_positions(self) -> int | None:
