@@ -5,9 +5,12 @@ stored asynchronously; a full write queue drops (and counts) writes instead of b
 import threading
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvflow import KVPool, Restorer
 from kvflow.engine import EngineConfig, LLMEngine, SamplingParams
+from kvflow.engine.pool_tier import PoolTier
 from kvflow.planner import STRATEGIES
 from tests.engine.helpers import hf_greedy, ids, synthetic_cost
 
@@ -72,6 +75,26 @@ def test_the_way_to_a_first_token_is_the_one_predicted_soonest(tiny, restorer):
     slow = PoolTier(restorer)
     assert slow.choose(200, 64, 128)[0] == "prefill"
     assert slow.choose(200, 0, 128)[0] == "restore"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(2, 700), resident=st.integers(0, 700), stored=st.integers(0, 700),
+       rate=st.sampled_from([1e3, 1e6, 1e9]))
+def test_the_way_chosen_is_the_same_whether_or_not_a_restoration_is_planned_where_its_bound_loses(
+        tiny, restorer, n, resident, stored, rate):
+    """``choose`` plans a restoration only where the planner's T* beats the other ways; planning it every time gives
+    the same way and the same predicted seconds (T* is below every plan's prediction)."""
+    resident, stored = min(resident // 16 * 16, n - 1), min(stored, n - 1)
+    restorer.pool.set_throttle(rate)                           # a slow link: restorations that recompute can win
+    tier = PoolTier(restorer)
+    pruned = tier.choose(n, resident, stored)
+    tier._restoration_bound = lambda *a: float("-inf")          # always planned
+    assert tier.choose(n, resident, stored) == pruned
+
+
+def test_a_hit_mostly_resident_is_priced_without_a_restoration_plan(tiny, restorer):
+    tier = PoolTier(restorer)
+    assert tier.choose(400, 384, 396)[0] in ("prefill", "load") and not tier._plans
 
 
 def test_a_pool_hit_longer_than_the_resident_hit_keeps_the_resident_blocks(tiny, restorer):

@@ -76,7 +76,8 @@ class PoolTier:
         What runs in the step is priced as the tokens it adds to a step that runs anyway (``added_time``: the
         decodes beside it pay the step's per-call overheads); a restoration runs its own passes and pays them.
         With nothing resident a pool hit is always used (a load or the strategy's plan, which may recompute all
-        of it); ties go to the way listed first."""
+        of it); ties go to the way listed first. A restoration is planned only where the planner's lower bound T*
+        beats the other ways (``_restoration_bound``): the choice is the same, without a plan per request."""
         cost, L = self.restorer.planned_cost(), self.num_layers
         prefill = cost.added_time(num_tokens - resident, resident, L)
         if stored <= resident:
@@ -86,13 +87,24 @@ class PoolTier:
             cells = (-(-stored // self.chunk_tokens) - resident // self.chunk_tokens) * L   # a stored tail: a chunk
             ways["load"] = (self.restorer.io_model().read_time(cells)
                             + cost.added_time(num_tokens - stored, stored, L))
-        ways["restore"] = self._restoration_s(num_tokens, stored)
+        if not ways or self._restoration_bound(num_tokens, stored) < min(ways.values()):
+            ways["restore"] = self._restoration_s(num_tokens, stored)
         way = min(ways, key=ways.get)
         return way, ways[way]
 
     def predicted_s(self, num_tokens: int, resident: int, stored: int) -> float:
         """Predicted seconds to the first-token logits the soonest way (``choose``)."""
         return self.choose(num_tokens, resident, stored)[1]
+
+    def _restoration_bound(self, num_tokens: int, stored: int) -> float:
+        """The planner's T* for the restoration of [0, stored) with the rest as its query: no plan is predicted
+        sooner, so where it is no sooner than another way the restoration is not planned (a plan costs ~30-50 ms
+        of the step that ranks or admits the request; the bound well under a millisecond) and the choice is the
+        same."""
+        return self.restorer.planner().bound(self._request(num_tokens, stored))
+
+    def _request(self, num_tokens: int, stored: int) -> Request:
+        return Request(stored, num_tokens - stored, stored // self.chunk_tokens)
 
     def _restoration_s(self, num_tokens: int, stored: int) -> float:
         """The planner's predicted time to first token of a restoration of [0, stored) with the rest as its query.
@@ -104,8 +116,8 @@ class PoolTier:
         if key not in self._plans:
             if len(self._plans) >= PLANS_KEPT:
                 self._plans.clear()
-            req = Request(stored, num_tokens - stored, stored // self.chunk_tokens)
-            self._plans[key] = self.restorer.planner().plan(self.strategy, req).predicted.ttft_s
+            self._plans[key] = self.restorer.planner().plan(self.strategy,
+                                                            self._request(num_tokens, stored)).predicted.ttft_s
         return self._plans[key]
 
     def load(self, token_ids: list[int], start: int, stop: int, cache: PagedKVCache, block_table: list[int]) -> int:

@@ -79,6 +79,13 @@ class Planner:
         bound = lower_bound(self.cost, self.io, plan.num_chunks, self.C, self.L, plan.suffix, self.config.max_step)
         return replace(plan, predicted=predict(plan, self.cost, self.io), lower_bound_s=bound)
 
+    def bound(self, req: Request) -> float:
+        """T* of ``req`` under this planner's models (``lower_bound``): no plan of any strategy is predicted sooner,
+        so a caller comparing a restoration with other ways can skip planning when T* already loses."""
+        n = req.stored_chunks
+        return lower_bound(self.cost, self.io, n, self.C, self.L, (n * self.C, req.context_len + req.query_len),
+                           self.config.max_step)
+
     def crossover_length(self, query_len: int, max_chunks: int = 256) -> int | None:
         """L_delta: the shortest context (tokens) at which the token plan is predicted faster than the layer plan."""
         for n in range(1, max_chunks + 1):
