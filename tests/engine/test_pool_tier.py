@@ -269,11 +269,14 @@ def test_an_engine_held_to_its_budget_keeps_no_staging_buffer_between_restores(t
 def test_a_restorations_predicted_time_is_planned_once_per_shape_until_the_calibration_moves(tiny, restorer):
     from kvflow.engine.pool_tier import PoolTier
     tier, plans = PoolTier(restorer), []
+    tier._restoration_bound = lambda *a: float("-inf")   # the bound never rules a restoration out: the cache is asked
     real = restorer.planner
 
     def counting():
-        plans.append(1)
-        return real()
+        planner = real()
+        plan = planner.plan
+        planner.plan = lambda *a: plans.append(1) or plan(*a)
+        return planner
     restorer.planner = counting
     first = tier.predicted_s(200, 0, 128)
     assert tier.predicted_s(200, 0, 128) == first and len(plans) == 1        # the same shape: the same plan
