@@ -18,6 +18,7 @@ prefix is a whole number of chunks whose KV is written into blocks position by p
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
@@ -77,7 +78,7 @@ class PoolTier:
         decodes beside it pay the step's per-call overheads); a restoration runs its own passes and pays them.
         With nothing resident a pool hit is always used (a load or the strategy's plan, which may recompute all
         of it); ties go to the way listed first. A restoration is planned only where the planner's lower bound T*
-        beats the other ways (``_restoration_bound``): the choice is the same, without a plan per request."""
+        beats the other ways (``_restoration_s``): the choice is the same, without a plan per request."""
         cost, L = self.restorer.planned_cost(), self.num_layers
         prefill = cost.added_time(num_tokens - resident, resident, L)
         if stored <= resident:
@@ -87,8 +88,7 @@ class PoolTier:
             cells = (-(-stored // self.chunk_tokens) - resident // self.chunk_tokens) * L   # a stored tail: a chunk
             ways["load"] = (self.restorer.io_model().read_time(cells)
                             + cost.added_time(num_tokens - stored, stored, L))
-        if not ways or self._restoration_bound(num_tokens, stored) < min(ways.values()):
-            ways["restore"] = self._restoration_s(num_tokens, stored)
+        ways["restore"] = self._restoration_s(num_tokens, stored, beat=min(ways.values(), default=math.inf))
         way = min(ways, key=ways.get)
         return way, ways[way]
 
@@ -98,22 +98,24 @@ class PoolTier:
 
     def _restoration_bound(self, num_tokens: int, stored: int) -> float:
         """The planner's T* for the restoration of [0, stored) with the rest as its query: no plan is predicted
-        sooner, so where it is no sooner than another way the restoration is not planned (a plan costs ~30-50 ms
-        of the step that ranks or admits the request; the bound well under a millisecond) and the choice is the
-        same."""
+        sooner. Well under a millisecond for a few chunks (2 ms at 8K tokens, ~40 ms at 128K), where a plan takes
+        30-60 ms at a few chunks to 8K."""
         return self.restorer.planner().bound(self._request(num_tokens, stored))
 
     def _request(self, num_tokens: int, stored: int) -> Request:
         return Request(stored, num_tokens - stored, stored // self.chunk_tokens)
 
-    def _restoration_s(self, num_tokens: int, stored: int) -> float:
-        """The planner's predicted time to first token of a restoration of [0, stored) with the rest as its query.
-        A plan takes ~30 ms to make (smollm2-135m, 5 chunks x 30 layers), so it is kept per (lengths, calibration
-        state, pool bandwidth): requests of one shape share it until a restoration or a device changes what the
-        planner would say."""
+    def _restoration_s(self, num_tokens: int, stored: int, beat: float = math.inf) -> float:
+        """The planner's predicted time to first token of a restoration of [0, stored) with the rest as its query,
+        or ``math.inf`` (not planned) where its T* is no sooner than ``beat`` — the best other way's time, which a
+        restoration then cannot beat. A plan takes ~30 ms to make (smollm2-135m, 5 chunks x 30 layers), so it is
+        kept per (lengths, calibration state, pool bandwidth): requests of one shape share it until a restoration
+        or a device changes what the planner would say; a kept plan is used without its bound."""
         cal = self.restorer.calibration
         key = (num_tokens, stored, self.pool.read_bandwidth, None if cal is None else (cal.compute_seen, cal.io_seen))
         if key not in self._plans:
+            if self._restoration_bound(num_tokens, stored) >= beat:
+                return math.inf
             if len(self._plans) >= PLANS_KEPT:
                 self._plans.clear()
             self._plans[key] = self.restorer.planner().plan(self.strategy,
