@@ -190,11 +190,9 @@ def test_with_the_native_op_any_chunking_gives_the_full_prefills_bits(packed_fam
     (model/linear.py): chunks of any sizes, lone tokens included, give the full prefill's KV and logits exactly.
     (The small shapes above keep MKL's F.linear and torch's SiLU, whose rows of a short or odd-sized call can round
     differently: those agree within the bound, not bit for bit.)"""
-    from kvflow.model import chunk_attention, linear
-    if not (chunk_attention.available() and linear.available() and linear.mode() == "onednn"):
-        pytest.skip("the native chunk op or oneDNN is not here")
     runner = packed_families[family]
-    assert runner.bit_for_bit                  # packed and fused on every layer
+    if not runner.bit_for_bit:                 # the test above: it is wherever this host has the op and oneDNN
+        pytest.skip("the native chunk op or oneDNN is not here")
     n = sum(sizes)
     ids = _ids(n, n + 1)
     bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
