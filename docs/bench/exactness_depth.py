@@ -2,7 +2,7 @@
 full prefill itself is from other ways of computing it — the room the exactness bound (KV max |diff| <= 1e-4) leaves
 at depth and length (docs/DESIGN.md, "Exactness").
 
-    PYTHONPATH=. .venv/bin/python docs/bench/exactness_depth.py [--lengths 2048,8192] [--texts 0,1,human] [--out exactness_depth.json]
+    .venv/bin/python docs/bench/exactness_depth.py [--lengths 2048,8192] [--texts 0,1,human] [--out exactness_depth.json]
 
 Per length and text, cut to the length in smollm2's own tokens: a number is a seed of random words (the matrix's
 workload text, kvflow/demo/chat.py's ``_text``); ``human`` the demo's written reference documents, repeated
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kvflow import KVPool, Restorer, load_model
+from kvflow.cost import CostModel
 from kvflow.demo.chat import _text
 from kvflow.demo.texts import long_document
 from kvflow.engine.model_runner import BatchRunner, StepItem
@@ -58,11 +59,17 @@ def engine_kv(runner, ids: list[int], step: int):
     return kv, logits[0]
 
 
+def fixed_cost(runner) -> CostModel:
+    """A fixed cost model (no profiling): the plans follow from it by rule, and exactness must not depend on it."""
+    return CostModel(runner.name, runner.fingerprint, 2, a=2e-6, b=2e-8, d=3e-4, e=2e-4, head=1e-4,
+                     kv_bytes_per_token_layer=runner.kv_bytes_per_token() // runner.num_layers,
+                     num_layers=runner.num_layers)
+
+
 def restore_kv(runner, ids: list[int], strategies: list[str]) -> dict:
-    from tests.engine.helpers import synthetic_cost                 # the tests' fixed cost model: plans by rule
     context, query = torch.tensor(ids[:-32]), torch.tensor(ids[-32:])
     pool = KVPool.memory("2G", chunk_tokens=256, devices=2)
-    restorer = Restorer(runner, pool, cost=synthetic_cost(runner), calibrate=False)
+    restorer = Restorer(runner, pool, cost=fixed_cost(runner), calibrate=False)
     restorer.store(context)
     pool.set_throttle(restorer.cost.short_context_rate(256))
     return {s: restorer.restore(context, query, s) for s in strategies}
