@@ -45,6 +45,26 @@ def test_bench_serve_drives_a_multi_round_chat_through_the_openai_client(tmp_pat
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 0
 
 
+def test_bench_serve_shows_each_rounds_turns_as_they_finish(tmp_path, capsys):
+    assert main(["bench", "serve", "--configs", "resident", "--users", "2", "--rounds", "2", "--rate", "50",
+                 "--repeats", "2", "--system-tokens", "16", "--user-tokens", "8", "--answer-tokens", "2",
+                 "--think", "0", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "resident (round 1/2)" in err and "resident (round 2/2)" in err and "4/4" in err
+
+
+def test_every_turn_is_counted_once_when_a_session_fails_early():
+    import asyncio
+
+    from kvflow.demo.chat import ChatWorkload, run_chat
+    seen = []
+    w = ChatWorkload.of("chat", users=2, rounds=3, rate=50.0, system_tokens=8, user_tokens=4, answer_tokens=2,
+                        think_s=0.0)
+    records, _ = asyncio.run(run_chat("http://127.0.0.1:9/v1", "tiny", w, on_turn=lambda d, t: seen.append((d, t))))
+    assert seen[0] == (0, 6) and seen[-1] == (6, 6)         # nothing listens there: each session fails on its first
+    assert all(r.error for r in records) and len(records) == 2
+
+
 @pytest.mark.parametrize("args", [["bench", "serve", "--configs", "magic"], ["bench", "serve", "--users", "0"],
                                   ["bench", "serve", "--configs", "cacheflow+lifo"],
                                   ["bench", "serve", "--workload", "poetry"],

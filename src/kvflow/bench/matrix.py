@@ -361,8 +361,8 @@ RATIO_KEYS = ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "later_ttft_p99_s", "it
 
 def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None] = lambda line: None):
     """Run every cell of ``o`` (``plan``) and draw the heatmap; returns a report.BenchRun."""
-    from kvflow.bench.serve_run import (ServeRunOptions, check_peer, kvflow_round, load_for, peer_round, peer_venv,
-                                        prepare, start_peer)
+    from kvflow.bench.serve_run import (ServeRunOptions, check_peer, kvflow_round, kvflow_server, load_for,
+                                        peer_round, peer_venv, prepare, start_peer)
     from kvflow.report import BenchRun, out_dir, save_figure
 
     cells_planned = plan(o)
@@ -402,12 +402,13 @@ def matrix_run(o: MatrixOptions, cost_for: Callable, note: Callable[[str], None]
                 load, rounds = os.getloadavg()[0], []
                 for i in range(o.repeats):
                     kv_first = (len(cells) + i) % 2 == 0
-                    if kv_first:
-                        kv = kvflow_round(o_g, p, w, "cacheflow", None, (vllm.process.pid,))
-                        vl = peer_round(vllm, o_g, p, w)
-                    else:
-                        vl = peer_round(vllm, o_g, p, w)
-                        kv = kvflow_round(o_g, p, w, "cacheflow", None, (vllm.process.pid,))
+                    with kvflow_server(o_g, p, "cacheflow", None) as server:     # up through both rounds
+                        if kv_first:
+                            kv = kvflow_round(o_g, p, w, "cacheflow", None, (vllm.process.pid,), server=server)
+                            vl = peer_round(vllm, o_g, p, w, quiet=(server.pid,))
+                        else:
+                            vl = peer_round(vllm, o_g, p, w, quiet=(server.pid,))
+                            kv = kvflow_round(o_g, p, w, "cacheflow", None, (vllm.process.pid,), server=server)
                     rounds.append((kv_first, kv, vl, {k: _ratio(kv[1][k], vl[1][k]) for k in RATIO_KEYS}))
                 cell = cell_of(c, p, rounds, load)
                 cells.append(cell)

@@ -33,6 +33,12 @@ TITLES = {"chat": "multi-round chat", "docqa": "long-document QA", "agent": "age
           "longfirst": "long first turns, short follow-ups", "prefix": "prefix repetition", "random": "random prompts"}
 
 
+@contextlib.contextmanager
+def no_progress(title: str):
+    """``serve_run``'s default progress display: none."""
+    yield lambda done, total: None
+
+
 @dataclass(slots=True)
 class ServeRunOptions:
     """What ``kvflow bench serve`` takes, parsed (the option help in cli/serve_cmds.py says what each one means;
@@ -87,9 +93,11 @@ def _parts(name: str) -> tuple[str, str | None]:
     return strategy, policy if plus else None
 
 
-def serve_run(o: ServeRunOptions, cost_for: Callable, note: Callable[[str], None] = lambda line: None) -> ServeRun:
+def serve_run(o: ServeRunOptions, cost_for: Callable, note: Callable[[str], None] = lambda line: None,
+              progress: Callable[[str], contextlib.AbstractContextManager] = no_progress) -> ServeRun:
     """Run ``o`` and save its TTFT CDF; ``cost_for(runner, max_position)`` gives the cost model the restoring
-    configurations plan with, ``note`` takes the progress lines meant for stderr."""
+    configurations plan with, ``note`` takes the progress lines meant for stderr, ``progress(title)`` opens a
+    progress display for one round and gives its ``update(done, total)`` (turns finished)."""
     from kvflow.report import out_dir, save_figure
 
     w = o.workload
@@ -103,13 +111,14 @@ def serve_run(o: ServeRunOptions, cost_for: Callable, note: Callable[[str], None
     if o.url is not None:
         if not o.served_model:
             raise KVFlowError("--url needs --served-model (the model name that server serves)")
-        records, wall = asyncio.run(run_chat(o.url, o.served_model, w))
+        with progress(f"{o.served_model} at {o.url}") as tick:
+            records, wall = asyncio.run(run_chat(o.url, o.served_model, w, on_turn=tick))
         summary = summarize(records, wall)
         runs = {o.url: records}
         rows = [result_row(o.url, summary, None)]
         results["runs"][o.url] = {"summary": summary, "turns": records_json(records)}
     else:
-        runs, rows = _run_local(o, token_ids, folder, results, cost_for, note)
+        runs, rows = _run_local(o, token_ids, folder, results, cost_for, note, progress)
     title = TITLES[w.kind]
     save_figure(folder / "ttft_cdf.png", draw_cdf(runs, title))
     footer = f"results in {folder} (results.json, ttft_cdf.png)"
@@ -189,27 +198,36 @@ def round_start(pids: list[int]) -> None:
     wait_idle([*pids, os.getpid()], window_s=0.5)
 
 
-def kvflow_round(o: ServeRunOptions, p: Prepared, w: ChatWorkload, strategy: str, policy: str | None,
-                 quiet: tuple[int, ...] = ()) -> tuple:
-    """Workload ``w`` against a fresh kvflow server (a process of its own, an empty pool) of one configuration:
-    (records, summary, hit split with the engine's swap / restore counters). It starts once that server, the
-    processes ``quiet`` (a peer's) and the ready client are idle (``round_start``)."""
+def kvflow_server(o: ServeRunOptions, p: Prepared, strategy: str, policy: str | None):
+    """A fresh kvflow server (a process of its own: no GIL with the client; an empty pool) of one configuration, as
+    a context manager."""
     from kvflow.server.process import ServerProcess, engine_for
 
-    build = partial(engine_for, o.model, 0, **engine_options(o, p, strategy, policy))
-    with ServerProcess(build, o.model) as server:       # its own process: no GIL with this client
+    return ServerProcess(partial(engine_for, o.model, 0, **engine_options(o, p, strategy, policy)), o.model)
+
+
+def kvflow_round(o: ServeRunOptions, p: Prepared, w: ChatWorkload, strategy: str, policy: str | None,
+                 quiet: tuple[int, ...] = (), on_turn: Callable[[int, int], object] | None = None,
+                 server=None) -> tuple:
+    """Workload ``w`` against ``server`` (``kvflow_server``, not yet used), or else a fresh one of its own:
+    (records, summary, hit split with the engine's swap / restore counters). It starts once that server, the
+    processes ``quiet`` (a peer's) and the ready client are idle (``round_start``)."""
+    with contextlib.ExitStack() as own:
+        if server is None:
+            server = own.enter_context(kvflow_server(o, p, strategy, policy))
         records, wall = asyncio.run(run_chat(server.url, o.model, w, tokenizer=p.tokenizer,
-                                             ready=partial(round_start, [*quiet, server.pid])))
-    return records, summarize(records, wall), server.hit_split()
+                                             ready=partial(round_start, [*quiet, server.pid]), on_turn=on_turn))
+        return records, summarize(records, wall), server.hit_split()
 
 
-def peer_round(vllm, o: ServeRunOptions, p: Prepared, w: ChatWorkload) -> tuple:
-    """Workload ``w`` against the running peer, its prefix cache emptied first and the peer and the ready client idle
-    (``round_start``): (records, summary, None)."""
+def peer_round(vllm, o: ServeRunOptions, p: Prepared, w: ChatWorkload,
+               on_turn: Callable[[int, int], object] | None = None, quiet: tuple[int, ...] = ()) -> tuple:
+    """Workload ``w`` against the running peer, its prefix cache emptied first and the peer, the processes ``quiet``
+    (a kvflow server kept up) and the ready client idle (``round_start``): (records, summary, None)."""
     if not vllm.reset_prefix_cache():
         raise KVFlowError("the vLLM peer did not empty its prefix cache before a round")
     records, wall = asyncio.run(run_chat(vllm.url, o.model, w, tokenizer=p.tokenizer,
-                                         ready=partial(round_start, [vllm.process.pid])))
+                                         ready=partial(round_start, [vllm.process.pid, *quiet]), on_turn=on_turn))
     return records, summarize(records, wall), None
 
 
@@ -255,7 +273,7 @@ def check_peer(o: ServeRunOptions) -> bool:
 
 
 def _run_local(o: ServeRunOptions, token_ids: bool, folder: Path, results: dict, cost_for: Callable,
-               note: Callable[[str], None]) -> tuple[dict, list[dict]]:
+               note: Callable[[str], None], progress: Callable) -> tuple[dict, list[dict]]:
     """Each configuration in a kvflow server of its own (and the peer, if any), ``o.repeats`` rounds alternated;
     fills ``results``, returns (TTFT records per configuration, table rows)."""
     w, peer = o.workload, o.peer
@@ -282,12 +300,23 @@ def _run_local(o: ServeRunOptions, token_ids: bool, folder: Path, results: dict,
         if venv is not None:
             vllm, results["peer"] = start_peer(stack, o, p, venv, folder, note)
             rounds_of[peer] = []
-        for _ in range(o.repeats):                # configurations alternate: a shared machine drifts
-            for name, strategy, policy in configs:
-                rounds_of[name].append(kvflow_round(o, p, w, strategy, policy,
-                                                    () if vllm is None else (vllm.process.pid,)))
-            if vllm is not None:                  # right after, same workload and seed, its cache emptied
-                rounds_of[peer].append(peer_round(vllm, o, p, w))
+        for r in range(o.repeats):                # configurations alternate: a shared machine drifts
+            of = f" (round {r + 1}/{o.repeats})" if o.repeats > 1 else ""
+            # Each server serves with the other one resident and idle: the peer stays up through the kvflow
+            # rounds, so the last kvflow server of a round is started before, and stopped after, the peer's round.
+            # Memory another process holds can slow a server here (docs/BENCHMARKS.md, "Issue 32's own shape").
+            with contextlib.ExitStack() as pair:
+                for i, (name, strategy, policy) in enumerate(configs):
+                    server = None
+                    if vllm is not None and i == len(configs) - 1:
+                        server = pair.enter_context(kvflow_server(o, p, strategy, policy))
+                    with progress(f"{name}{of}") as tick:
+                        rounds_of[name].append(kvflow_round(o, p, w, strategy, policy,
+                                                            () if vllm is None else (vllm.process.pid,),
+                                                            on_turn=tick, server=server))
+                if vllm is not None:              # right after, same workload and seed, its cache emptied
+                    with progress(f"{peer}{of}") as tick:
+                        rounds_of[peer].append(peer_round(vllm, o, p, w, on_turn=tick, quiet=(server.pid,)))
     runs, rows = {}, []
     for name, rounds_ in rounds_of.items():
         summary = median_summary([r[1] for r in rounds_])

@@ -154,6 +154,7 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
     """Chat / document-QA / agent / long-first / prefix / random load (seeded): TTFT P50/P90/P99, ITL, throughput,
     hit split."""
     from kvflow.bench.serve_run import ServeRunOptions, serve_run
+    from kvflow.cli.model_cmds import progress_task
     from kvflow.cli.restore_cmds import ensure_cost
     from kvflow.demo.chat import ChatWorkload
     from kvflow.report import report
@@ -167,7 +168,8 @@ def bench_serve(url: Optional[str] = typer.Option(None, help="an OpenAI-compatib
     run = serve_run(ServeRunOptions(w, url, served_model, model, configs, kv_share, block_size, chunk_tokens,
                                     max_batched, pool_dir, rho, seed, repeats, peer, peer_venv, peer_timeout,
                                     token_ids, out),
-                    cost_for=ensure_cost, note=lambda line: typer.echo(line, err=True))
+                    cost_for=ensure_cost, note=lambda line: typer.echo(line, err=True),
+                    progress=progress_task)
     report(run.results, run.folder, [(run.title, run.rows)], as_json, run.footer)
 
 

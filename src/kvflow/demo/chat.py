@@ -249,8 +249,10 @@ def prompts_digest(records: list[TurnRecord]) -> str:
 
 
 async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "unused",
-                   tokenizer=None, ready: Callable[[], object] | None = None) -> tuple[list, float]:
-    """Drive workload ``w`` against ``base_url`` (…/v1); returns per-request records and the wall time.
+                   tokenizer=None, ready: Callable[[], object] | None = None,
+                   on_turn: Callable[[int, int], object] | None = None) -> tuple[list, float]:
+    """Drive workload ``w`` against ``base_url`` (…/v1); returns per-request records and the wall time;
+    ``on_turn(done, total)`` hears of every finished turn (served or failed), and once with 0 when the first is sent.
 
     Without ``tokenizer`` the turns go as chat messages to /v1/chat/completions (the server renders them). With one,
     every prompt goes as token ids to /v1/completions (``chat_ids``: earlier answers spliced in as the ids the server
@@ -275,8 +277,17 @@ async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "u
     if ready is not None:
         await asyncio.to_thread(ready)
     records: list[TurnRecord] = []
+    plan = sessions(w)
+    total, done = sum(len(s.turns) for s in plan), 0
+
+    def finished() -> None:
+        nonlocal done
+        done += 1
+        if on_turn is not None:
+            on_turn(done, total)
 
     async def session(u: int, s: Session):
+        nonlocal done
         await asyncio.sleep(s.arrival_s)
         history = [{"role": "system", "content": s.system}] if s.system is not None else []
         for k, (role, content, think) in enumerate(s.turns):
@@ -320,16 +331,21 @@ async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "u
                         answer_ids += new_ids
             except Exception as err:            # counted, the run goes on
                 rec.error = f"{type(err).__name__}: {err}"
+                done += len(s.turns) - k - 1        # the session's later turns are not sent
+                finished()
                 return
             rec.e2e_s = time.perf_counter() - t0
+            finished()
             rec.answer, rec.answer_ids = "".join(answer), answer_ids
             if s.keep_history:
                 history = messages + [{"role": "assistant",
                                        "content": "".join(answer) if tokenizer is None else answer_ids}]
             await asyncio.sleep(think)
 
+    if on_turn is not None:
+        on_turn(0, total)
     t0 = time.perf_counter()
-    await asyncio.gather(*[session(u, s) for u, s in enumerate(sessions(w))])
+    await asyncio.gather(*[session(u, s) for u, s in enumerate(plan)])
     wall = time.perf_counter() - t0
     await client.close()
     return records, wall
