@@ -280,14 +280,13 @@ async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "u
     plan = sessions(w)
     total, done = sum(len(s.turns) for s in plan), 0
 
-    def finished() -> None:
+    def finished(turns: int = 1) -> None:
         nonlocal done
-        done += 1
+        done += turns
         if on_turn is not None:
             on_turn(done, total)
 
     async def session(u: int, s: Session):
-        nonlocal done
         await asyncio.sleep(s.arrival_s)
         history = [{"role": "system", "content": s.system}] if s.system is not None else []
         for k, (role, content, think) in enumerate(s.turns):
@@ -331,8 +330,7 @@ async def run_chat(base_url: str, model: str, w: ChatWorkload, api_key: str = "u
                         answer_ids += new_ids
             except Exception as err:            # counted, the run goes on
                 rec.error = f"{type(err).__name__}: {err}"
-                done += len(s.turns) - k - 1        # the session's later turns are not sent
-                finished()
+                finished(len(s.turns) - k)          # this turn and the later ones, which are not sent
                 return
             rec.e2e_s = time.perf_counter() - t0
             finished()

@@ -81,7 +81,8 @@ def run_demo(runner, cost, w: ChatWorkload, *, home: str | Path, chunk_tokens: i
                 say(f"{run}: starting its server")
                 with ServerProcess(build, model) as server:      # closes its pool when it stops
                     say(f"{run}: {w.users} users chatting")
-                    records, wall = asyncio.run(_drive(server, w, lambda n: tick(base + n, total)))
+                    records, wall = asyncio.run(run_chat(server.url, server.model, w,
+                                                         on_turn=lambda n, _: tick(base + n, total)))
                     done = base + w.users * w.rounds
                     if check and name == "cacheflow" and rep == repeats - 1:
                         say(f"check: {user_name(0)}'s turns again, against transformers' generate")
@@ -108,17 +109,6 @@ def run_demo(runner, cost, w: ChatWorkload, *, home: str | Path, chunk_tokens: i
                                  "turns": records_json(got[-1][0])}
         cdf[name] = [rec for r in got for rec in r[0]]
     return results, cdf
-
-
-async def _drive(server: ServerProcess, w: ChatWorkload, tick: Callable[[int], None]):
-    """run_chat, with the finished-request count reported every 0.2 s."""
-    start = server.finished()
-    work = asyncio.ensure_future(run_chat(server.url, server.model, w))
-    while not work.done():
-        tick(server.finished() - start)
-        await asyncio.wait([work], timeout=0.2)
-    tick(server.finished() - start)
-    return work.result()
 
 
 def exchange(w: ChatWorkload, records: list) -> dict | None:
